@@ -1,0 +1,98 @@
+"""Default run: behaviour-cloning warm start, then PPO, on the built-in ColorReach env.
+
+Variants (``--config=configs/default.py:VARIANT``):
+  (none)  the full default run (CPU, ~minutes; reaches >= 0.8 success).
+  smoke   a tiny budget for tests and quick checks of the whole loop.
+  bc_only the warm start alone (no RL), for the RL-gain comparison.
+"""
+
+import ml_collections
+
+VARIANTS = ("", "smoke", "bc_only")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  variant = arg or ""
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown variant {variant!r} of configs/default.py; choose one of "
+                     f"{[v for v in VARIANTS if v]}")
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # Seed of parameters, sampling and env episodes.
+  c.total_env_steps = 300_000  # Budget: RL env steps (executed actions) of the whole run.
+  c.num_envs = 64  # Envs stepped in parallel for RL rollouts.
+  c.rollout_len = 10  # Chunk steps per env per training iteration.
+  c.resume = False  # Continue from the latest checkpoint in the workdir.
+
+  c.env = ml_collections.ConfigDict()
+  c.env.name = "builtin"  # Environment: 'builtin' (ColorReach).
+  c.env.image_size = 32  # Camera image side in pixels.
+  c.env.num_targets = 3  # Coloured targets per episode; the instruction names one.
+  c.env.num_colours = 4  # Size of the colour palette targets are drawn from.
+  c.env.max_episode_steps = 50  # Time limit in env steps.
+  c.env.max_speed = 0.1  # Distance moved per step at full action.
+  c.env.goal_radius = 0.1  # Success distance to the named target.
+  c.env.wrong_target_radius = 0.1  # Touching another target within this ends in failure.
+  c.env.min_separation = 0.45  # Minimum distance between targets and the start.
+  c.env.latency_ms = 0.0  # Median simulated per-step latency (slept), 0 for none.
+  c.env.latency_sigma = 1.0  # Log-normal shape of that latency (long tail when large).
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "flow_vla"  # Policy family: 'flow_vla' (pi0-shaped flow matching).
+  c.model.variant = "tiny"  # Size: 'tiny' (CPU tests) or 'small'.
+  c.model.patch_size = 8  # ViT patch side in pixels.
+  c.model.mlp_ratio = 4  # MLP hidden size as a multiple of the width.
+  c.model.value_hidden = 64  # Hidden units of the value head.
+  c.model.tokenizer = "builtin"  # Instruction tokenizer.
+  c.model.max_token_len = 12  # Instruction length in tokens (with <bos>); longer is an error.
+  c.model.chunk_len = 5  # Actions per chunk H (one RL step executes a chunk).
+  c.model.num_denoise_steps = 4  # Denoise steps K of the sampler.
+  c.model.train_sampler = "flow_sde"  # Stochastic sampler for RL: 'flow_sde' or 'flow_noise'.
+  c.model.eval_sampler = "ode"  # Sampler for evaluation: 'ode' (deterministic) or a stochastic one.
+  c.model.noise_level = 0.5  # flow_sde noise scale a in sigma_t = a sqrt(t / (1 - t)).
+  c.model.noise_std_min = 0.05  # flow_noise: lower bound of the learned std.
+  c.model.noise_std_max = 0.5  # flow_noise: upper bound of the learned std.
+
+  c.bc = ml_collections.ConfigDict()
+  c.bc.num_episodes = 200  # Scripted-expert episodes collected for the warm start.
+  c.bc.demo_noise = 0.3  # Gaussian noise added to the expert's executed actions.
+  c.bc.num_steps = 300  # Gradient steps of the warm start (0: start RL from scratch).
+  c.bc.batch_size = 64  # Warm-start batch size (chunks).
+  c.bc.learning_rate = 1e-3  # Warm-start Adam learning rate.
+
+  c.ppo = ml_collections.ConfigDict()
+  c.ppo.learning_rate = 3e-4  # Adam learning rate of the RL phase.
+  c.ppo.gamma = 0.99  # Discount per chunk step.
+  c.ppo.gae_lambda = 0.95  # GAE lambda.
+  c.ppo.clip_eps = 0.2  # PPO ratio clip.
+  c.ppo.value_coef = 0.5  # Weight of the value loss.
+  c.ppo.entropy_coef = 0.0  # Weight of the sampler-entropy bonus (matters for flow_noise).
+  c.ppo.num_epochs = 4  # Passes over each rollout.
+  c.ppo.num_minibatches = 4  # Minibatches per pass.
+  c.ppo.max_grad_norm = 1.0  # Global gradient-norm clip.
+  c.ppo.target_kl = 0.0  # Skip the rest of an update once approx. KL exceeds this (0: off).
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_iters = 10  # Evaluate every N RL iterations (and at the start and end).
+  c.eval.num_episodes = 128  # Episodes per evaluation (eval_sampler, fresh seeds).
+
+  c.log = ml_collections.ConfigDict()
+  c.log.progress = True  # Show a progress bar on stderr.
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_iters = 10  # Save the train state every N RL iterations (and at the end).
+  c.checkpoint.max_to_keep = 2  # Checkpoints kept on disk.
+
+  if variant == "smoke":
+    c.total_env_steps = 2_000
+    c.num_envs = 8
+    c.rollout_len = 4
+    c.bc.num_episodes = 8
+    c.bc.num_steps = 5
+    c.bc.batch_size = 16
+    c.eval.num_episodes = 8
+    c.eval.every_iters = 2
+    c.checkpoint.every_iters = 2
+    c.log.progress = False
+  elif variant == "bc_only":
+    c.total_env_steps = 0
+  return c

@@ -1,0 +1,35 @@
+"""Entry point: ``python -m jaxvla.main --config=configs/X.py[:variant] --workdir=DIR``.
+
+Parses flags only; the job is :func:`jaxvla.train.train_and_evaluate`. The last
+line on stdout is the run's summary as one JSON object.
+"""
+
+import json
+import logging
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from jaxvla import train
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/default.py", "Config file (optionally ':variant').", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.",
+                               required=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  # Library INFO chatter (orbax, jax) off; jaxvla's own INFO lines stay.
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  logging.getLogger("jaxvla").setLevel(logging.INFO)
+  summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  sys.stdout.write(json.dumps(summary) + "\n")
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  app.run(main)

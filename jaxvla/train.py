@@ -1,0 +1,189 @@
+"""The synchronous training loop: behaviour-cloning warm start, then collect -> PPO -> repeat.
+
+``train_and_evaluate(config, workdir)`` is the whole job; ``jaxvla.main`` only
+parses flags. Env steps counted in ``env_steps`` are RL rollout steps (the run's
+budget, ``config.total_env_steps``); demonstration and evaluation steps are
+reported separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxvla import checkpoint as checkpoint_lib
+from jaxvla import config_checks, metrics as metrics_lib
+from jaxvla.data import demos
+from jaxvla.envs import make_env
+from jaxvla.learner import learner as learner_lib
+from jaxvla.models import policy as policy_lib
+from jaxvla.rollout import collector as collector_lib
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunState:
+  """Host-side progress of the run (saved in checkpoint ``meta``)."""
+  iteration: int = 0
+  env_steps: int = 0
+  warm_start_success_rate: float | None = None
+  warm_start_eval: dict | None = None
+  bc_wall_s: float = 0.0
+
+
+@dataclasses.dataclass
+class Setup:
+  """Objects built once per run."""
+  policy: policy_lib.Policy
+  learner: learner_lib.Learner
+  act_train: object
+  act_eval: object
+  value_fn: object
+  eval_env: object
+  writer: metrics_lib.MetricWriter
+  checkpointer: checkpoint_lib.Checkpointer
+
+
+def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
+  policy = policy_lib.make_policy(config.model, spec)
+  return Setup(
+      policy=policy,
+      learner=learner_lib.Learner(policy, config.bc, config.ppo),
+      act_train=jax.jit(functools.partial(policy.act, mode="train")),
+      act_eval=jax.jit(functools.partial(policy.act, mode="eval")),
+      value_fn=jax.jit(policy.value),
+      eval_env=make_env(config.env, config.eval.num_episodes, config.seed + 1),
+      writer=metrics_lib.MetricWriter(workdir),
+      checkpointer=checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                               config.checkpoint.max_to_keep))
+
+
+def _evaluate(config, s: Setup, params, rng) -> dict[str, float]:
+  # The same episodes every time (fixed seed) so evaluations compare paired.
+  return collector_lib.evaluate(s.eval_env, s.policy, s.act_eval, params, rng,
+                                seed=config.seed + 12345, chunk_len=config.model.chunk_len)
+
+
+def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
+  """Behaviour cloning on scripted-expert demonstrations; returns params and figures."""
+  if config.bc.num_steps == 0:
+    return params, {}
+  demo_env = make_env(config.env, config.num_envs, config.seed + 2)
+  data = demos.collect_expert_demos(demo_env, s.policy, num_episodes=config.bc.num_episodes,
+                                    noise=config.bc.demo_noise, seed=config.seed + 2)
+  demo_env.close()
+  state = learner_lib.init_state(params, s.learner.bc_tx, rng)
+  n = data["actions"].shape[0]
+  sampler = np.random.default_rng(config.seed + 3)
+  losses = []
+  for _ in range(config.bc.num_steps):
+    idx = sampler.integers(0, n, config.bc.batch_size)
+    batch = {k: v[idx] for k, v in data["batch"].items()}
+    state, loss = s.learner.bc_step(state, batch, data["actions"][idx])
+    losses.append(loss)
+  losses = np.asarray(jax.device_get(losses))
+  return state.params, dict(bc_loss_first=float(losses[0]), bc_loss_last=float(losses[-5:].mean()),
+                            demo_chunks=float(n), demo_episodes=float(data["episodes"]),
+                            demo_success_rate=data["success_rate"],
+                            demo_env_steps=float(data["env_steps"]))
+
+
+def _initial_state(config, s: Setup, rng) -> tuple[learner_lib.TrainState, RunState]:
+  """Restores the latest checkpoint (``config.resume``) or warm-starts a fresh policy."""
+  init_key, bc_key, ppo_key, eval_key = jax.random.split(rng, 4)
+  params = s.policy.init(init_key)
+  fresh = learner_lib.init_state(params, s.learner.ppo_tx, ppo_key)
+  step = s.checkpointer.latest_step()
+  if config.resume and step is not None:
+    state, meta = s.checkpointer.restore(step, checkpoint_lib.abstract_like(fresh))
+    log.info("resumed from checkpoint %d (env_steps=%d)", step, meta["env_steps"])
+    return state, RunState(**meta)
+  if step is not None:
+    raise FileExistsError(
+        f"the workdir already holds checkpoint {step}; pass --config.resume=True to "
+        "continue it or choose another --workdir")
+  t0 = time.perf_counter()
+  params, bc_metrics = warm_start(config, s, params, bc_key)
+  run = RunState(bc_wall_s=time.perf_counter() - t0)
+  run.warm_start_eval = _evaluate(config, s, params, eval_key)
+  run.warm_start_success_rate = run.warm_start_eval["success_rate"]
+  s.writer.write(0, "warm_start", dict(bc_metrics, **run.warm_start_eval,
+                                       wall_s=run.bc_wall_s))
+  log.info("warm start: %s eval=%s", bc_metrics, run.warm_start_eval)
+  state = learner_lib.init_state(params, s.learner.ppo_tx, ppo_key)
+  s.checkpointer.save(0, state, dataclasses.asdict(run))
+  return state, run
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Runs the job described by ``config`` in ``workdir``; returns the final summary."""
+  config_checks.validate(config)
+  t_start = time.perf_counter()
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  rng = jax.random.PRNGKey(config.seed)
+  env = make_env(config.env, config.num_envs, config.seed)
+  s = _build(config, workdir, env.spec)
+  setup_key, rollout_key, eval_key = jax.random.split(rng, 3)
+  state, run = _initial_state(config, s, setup_key)
+  collector = collector_lib.Collector(env, s.policy, s.act_train, s.value_fn,
+                                      seed=config.seed + run.iteration)
+  progress = metrics_lib.Progress(config.total_env_steps, run.env_steps, config.log.progress)
+  last_eval = run.warm_start_eval
+  rl_start, rl_start_steps = time.perf_counter(), run.env_steps
+  try:
+    while run.env_steps < config.total_env_steps:
+      key = jax.random.fold_in(rollout_key, run.iteration)
+      traj = collector.collect(state.params, config.rollout_len, key,
+                               policy_version=int(state.step))
+      t0 = time.perf_counter()
+      state, train_metrics = s.learner.ppo_update(state, traj)
+      train_metrics = jax.device_get(train_metrics)
+      learner_s = time.perf_counter() - t0
+      run.iteration += 1
+      run.env_steps += traj.num_env_steps
+      sps = (run.env_steps - rl_start_steps) / (time.perf_counter() - rl_start)
+      s.writer.write(run.env_steps, "train", dict(
+          train_metrics, **collector.episodes.summary(), env_steps_per_s=sps,
+          learner_s=learner_s, **collector.timing))
+      done = run.env_steps >= config.total_env_steps
+      if run.iteration % config.eval.every_iters == 0 or done:
+        last_eval = _evaluate(config, s, state.params, jax.random.fold_in(eval_key, run.iteration))
+        s.writer.write(run.env_steps, "eval", last_eval)
+      if run.iteration % config.checkpoint.every_iters == 0 or done:
+        s.checkpointer.save(run.iteration, state, dataclasses.asdict(run))
+      progress.update(run.env_steps, sps=sps,
+                      success=collector.episodes.summary().get("success_rate", 0.0),
+                      eval=last_eval["success_rate"], loss=train_metrics["loss"])
+  finally:
+    progress.close()
+    s.checkpointer.close()
+    env.close()
+    s.eval_env.close()
+  export_dir = checkpoint_lib.export_policy(os.path.join(workdir, "export"), state.params,
+                                            config.to_json_best_effort())
+  wall_s = time.perf_counter() - t_start
+  summary = dict(
+      env_steps=run.env_steps, wall_s=round(wall_s, 2),
+      env_steps_per_s=round(run.env_steps / wall_s, 2),
+      rl_env_steps_per_s=round((run.env_steps - rl_start_steps)
+                               / max(time.perf_counter() - rl_start, 1e-9), 2),
+      success_rate=last_eval["success_rate"],
+      success_rate_source=(f"evaluation of {int(last_eval['num_episodes'])} fixed-seed episodes "
+                           f"with the '{config.model.eval_sampler}' sampler"),
+      warm_start_success_rate=run.warm_start_success_rate,
+      train_success_rate_recent=collector.episodes.summary().get("success_rate"),
+      iterations=run.iteration, policy_version=int(state.step), export_dir=export_dir)
+  s.writer.write(run.env_steps, "summary", {k: v for k, v in summary.items()
+                                            if isinstance(v, (int, float)) and k != "env_steps"})
+  s.writer.close()
+  return summary
