@@ -78,7 +78,8 @@ def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
     return params, {}
   demo_env = make_env(config.env, config.num_envs, config.seed + 2)
   data = demos.collect_expert_demos(demo_env, s.policy, num_episodes=config.bc.num_episodes,
-                                    noise=config.bc.demo_noise, seed=config.seed + 2)
+                                    noise=config.bc.demo_noise, speed=config.bc.expert_speed,
+                                    seed=config.seed + 2)
   demo_env.close()
   state = learner_lib.init_state(params, s.learner.bc_tx, rng)
   n = data["actions"].shape[0]

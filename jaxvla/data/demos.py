@@ -9,12 +9,14 @@ from jaxvla.models import policy as policy_lib
 
 
 def collect_expert_demos(env: protocol.VecEnv, policy: policy_lib.Policy, *,
-                         num_episodes: int, noise: float, seed: int) -> dict[str, np.ndarray]:
+                         num_episodes: int, noise: float, speed: float,
+                         seed: int) -> dict[str, np.ndarray]:
   """Rolls out the env's scripted expert until ``num_episodes`` episodes have ended.
 
   The executed chunks carry Gaussian ``noise`` so that the demonstrations visit
   states off the expert's path; the stored labels are the noise-free expert chunk
   planned from each visited state (DART-style), which is what BC should imitate.
+  ``speed`` scales the expert's actions (a cautious demonstrator).
 
   Returns:
     ``batch`` (policy inputs ``[N, ...]``), ``actions`` ``[N, H, A]`` and
@@ -30,9 +32,9 @@ def collect_expert_demos(env: protocol.VecEnv, policy: policy_lib.Policy, *,
   obs = env.reset(seed)
   batches, labels, successes, env_steps = [], [], [], 0
   while len(successes) < num_episodes:
-    labels.append(env.expert_chunk(policy.chunk_len))
+    labels.append(env.expert_chunk(policy.chunk_len, speed=speed))
     batches.append(policy.prepare(obs))
-    executed = env.expert_chunk(policy.chunk_len, noise=noise, rng=rng)
+    executed = env.expert_chunk(policy.chunk_len, noise=noise, rng=rng, speed=speed)
     result = env.step_chunk(executed)
     env_steps += int(result.steps.sum())
     successes.extend(e.success for e in result.episodes)

@@ -54,8 +54,8 @@ class ColorReach:
 
   def __init__(self, num_envs: int, *, image_size: int = 32, num_targets: int = 3,
                num_colours: int = 4, max_episode_steps: int = 50, max_speed: float = 0.1,
-               goal_radius: float = 0.1, wrong_target_radius: float = 0.1,
-               min_separation: float = 0.45, latency_ms: float = 0.0,
+               goal_radius: float = 0.15, wrong_target_radius: float = 0.15,
+               min_separation: float = 0.5, latency_ms: float = 0.0,
                latency_sigma: float = 1.0, seed: int = 0):
     if not 1 <= num_targets <= num_colours <= len(COLOURS):
       raise ValueError(
@@ -201,18 +201,19 @@ class ColorReach:
 
   # ----------------------------------------------------------------- expert --
   def expert_chunk(self, horizon: int, noise: float = 0.0,
-                   rng: np.random.Generator | None = None) -> np.ndarray:
+                   rng: np.random.Generator | None = None, speed: float = 1.0) -> np.ndarray:
     """Scripted expert: straight line to the named target, ``float32 [B, H, 2]``.
 
-    Each action is the clipped displacement to the goal; ``noise`` adds Gaussian
-    perturbations (for diverse demonstrations). The chunk is planned open-loop
-    from the current state, as a chunked policy would.
+    Each action is the clipped displacement to the goal, scaled by ``speed``
+    (``< 1``: a cautious demonstrator, like slow human teleoperation); ``noise``
+    adds Gaussian perturbations (for diverse demonstrations). The chunk is
+    planned open-loop from the current state, as a chunked policy would.
     """
     goal = self.targets[np.arange(self.num_envs), self.goal]
     pos = self.agent.copy()
     out = np.zeros((self.num_envs, horizon, 2), np.float32)
     for h in range(horizon):
-      a = np.clip((goal - pos) / self.max_speed, -1.0, 1.0)
+      a = speed * np.clip((goal - pos) / (speed * self.max_speed), -1.0, 1.0)
       if noise > 0:
         a = np.clip(a + noise * (rng or self._rng).standard_normal(a.shape), -1.0, 1.0)
       out[:, h] = a

@@ -36,6 +36,7 @@ class FlowVLAConfig:
   image_size: int
   num_cameras: int
   patch_size: int
+  posemb: str
   state_dim: int
   action_dim: int
   chunk_len: int
@@ -64,6 +65,7 @@ class FlowVLAConfig:
       raise ValueError(f"image size {image_size} is not a multiple of "
                        f"config.model.patch_size={model.patch_size}")
     return cls(image_size=image_size, num_cameras=num_cameras, patch_size=model.patch_size,
+               posemb=model.posemb,
                state_dim=state_dim, action_dim=action_dim, chunk_len=model.chunk_len,
                vocab_size=vocab_size, max_token_len=model.max_token_len,
                mlp_ratio=model.mlp_ratio, value_hidden=model.value_hidden,
@@ -88,6 +90,15 @@ def posemb_sincos(t: jax.Array, dim: int, min_period: float = 4e-3,
   period = min_period * (max_period / min_period) ** fraction
   angle = t[:, None] * (2.0 * math.pi / period)[None]
   return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
+
+
+def posemb_sincos_2d(h: int, w: int, width: int, temperature: float = 10_000.0) -> jax.Array:
+  """Fixed 2-D sine-cosine position embedding ``[h * w, width]`` (big_vision's)."""
+  y, x = jnp.mgrid[:h, :w]
+  omega = 1.0 / temperature ** (jnp.arange(width // 4) / (width // 4 - 1))
+  y = y.reshape(-1)[:, None] * omega[None]
+  x = x.reshape(-1)[:, None] * omega[None]
+  return jnp.concatenate([jnp.sin(x), jnp.cos(x), jnp.sin(y), jnp.cos(y)], axis=1)
 
 
 class DecoderLayer(nnx.Module):
@@ -150,8 +161,12 @@ class ViT(nnx.Module):
     num_patches = (cfg.image_size // p) ** 2
     self.embedding = nnx.Conv(3, cfg.vit_width, (p, p), strides=(p, p), padding="VALID",
                               rngs=rngs)
-    self.pos_embedding = nnx.Param(
-        0.02 * jax.random.normal(rngs.params(), (num_patches, cfg.vit_width)))
+    self.posemb = cfg.posemb
+    if cfg.posemb == "learn":
+      self.pos_embedding = nnx.Param(
+          0.02 * jax.random.normal(rngs.params(), (num_patches, cfg.vit_width)))
+    elif cfg.posemb != "sincos2d":  # sincos2d: fixed, computed in __call__ (big_vision's)
+      raise ValueError(f"config.model.posemb={cfg.posemb!r} is not 'learn' or 'sincos2d'")
     for i in range(cfg.vit_depth):
       setattr(self, f"block_{i}",
               ViTBlock(cfg.vit_width, cfg.num_heads, cfg.mlp_ratio, rngs=rngs))
@@ -163,7 +178,10 @@ class ViT(nnx.Module):
     """``uint8 [B, H, W, 3]`` -> ``[B, P, width]``."""
     x = images.astype(jnp.float32) / 127.5 - 1.0
     x = self.embedding(x)
-    x = x.reshape(x.shape[0], -1, x.shape[-1]) + self.pos_embedding[...]
+    side = x.shape[1]
+    pos = (self.pos_embedding[...] if self.posemb == "learn"
+           else posemb_sincos_2d(side, side, x.shape[-1]))
+    x = x.reshape(x.shape[0], -1, x.shape[-1]) + pos
     for i in range(self.depth):
       x = getattr(self, f"block_{i}")(x)
     return self.head(self.norm(x))

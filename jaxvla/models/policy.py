@@ -96,7 +96,7 @@ class FlowPolicy:
   def init(self, rng: jax.Array) -> Params:
     """Fresh parameters (a pure nested dict)."""
     model = flow_vla.FlowVLA(self.net_config, rngs=nnx.Rngs(params=rng))
-    return nnx.split(model)[1].to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(model))
 
   def abstract_params(self) -> Params:
     """Shapes and dtypes of the parameters, without allocating them."""

@@ -1,0 +1,63 @@
+"""Plots a run's learning curve from its ``metrics.jsonl``.
+
+``python -m jaxvla.plot_curve --workdir=DIR --out=docs/learning_curve.png``
+draws evaluation success (and the warm-start level) and the recent training
+success against RL env steps.
+"""
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding metrics.jsonl.",
+                               required=True)
+_OUT = flags.DEFINE_string("out", "docs/learning_curve.png", "Output PNG path.")
+_TITLE = flags.DEFINE_string("title", "jaxvla default run (ColorReach, tiny flow VLA, PPO)",
+                             "Plot title.")
+
+
+def load(workdir: str) -> dict[str, list[dict]]:
+  out: dict[str, list[dict]] = {}
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    for line in f:
+      rec = json.loads(line)
+      out.setdefault(rec["phase"], []).append(rec)
+  return out
+
+
+def plot(records: dict[str, list[dict]], out: str, title: str) -> None:
+  fig, ax = plt.subplots(figsize=(7, 4))
+  ev = records.get("eval", [])
+  warm = records.get("warm_start", [])
+  xs = [0] + [r["env_steps"] for r in ev]
+  ys = [warm[0]["success_rate"] if warm else float("nan")] + [r["success_rate"] for r in ev]
+  ax.plot(xs, ys, "o-", label="evaluation success (deterministic sampler)")
+  tr = [r for r in records.get("train", []) if "success_rate" in r]
+  ax.plot([r["env_steps"] for r in tr], [r["success_rate"] for r in tr], alpha=0.6,
+          label="training episodes (stochastic sampler, last 256)")
+  if warm:
+    ax.axhline(warm[0]["success_rate"], color="gray", ls="--", label="warm start (BC) alone")
+  ax.set_xlabel("RL env steps")
+  ax.set_ylabel("success rate")
+  ax.set_ylim(0, 1)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right", fontsize=8)
+  ax.set_title(title, fontsize=10)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+
+
+def main(argv):
+  del argv
+  plot(load(_WORKDIR.value), _OUT.value, _TITLE.value)
+  print(_OUT.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

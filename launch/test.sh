@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The whole test suite, in two steps that must both pass:
+#   (a) pytest -m "not sim"            on tests/      the fast suite (CPU, tiny models)
+#   (b) pytest -m sim                  on tests/sim/  real simulators (ManiSkill3, LIBERO)
+#
+#   bash launch/test.sh [--only=fast|sim] [pytest arguments ...]
+#
+# Extra arguments go to both pytest runs, from the repository root: options (-x, -v,
+# -k EXPR, --durations=0) and, if given, test paths, which then replace the step's default
+# path (pytest only falls back to `testpaths` when no path is given). So to run just the
+# simulator tests use --only=sim: `test.sh tests/sim` would make step (a) select nothing,
+# which fails (see below).
+# "No tests collected" (pytest exit code 5) counts as a failure, so a step whose tests
+# vanished (bad marker, bad -k, an import-time skip) cannot pass silently.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+only=all
+pytest_args=()
+for arg in "$@"; do
+  case "$arg" in
+    --only=fast | --only=sim) only="${arg#--only=}" ;;
+    --only=*) echo "test.sh: --only takes fast or sim, not '${arg#--only=}'" >&2; exit 2 ;;
+    *) pytest_args+=("$arg") ;;
+  esac
+done
+
+bash "$ROOT/launch/setup.sh" </dev/null
+# shellcheck source=launch/env.sh
+source "$ROOT/launch/env.sh"
+cd "$ROOT"  # testpaths and the paths in pytest_args are relative to the root
+
+failed=()
+
+# run_step NAME PYTEST_ARGS...: runs pytest with stdin closed (a test that prompts fails
+# instead of hanging) and records a failure for any non-zero exit, 5 included.
+run_step() {
+  local name=$1 rc=0
+  shift
+  echo "=== test.sh: step '$name': pytest $*" >&2
+  "$ROOT/.venv/bin/python" -m pytest "$@" </dev/null || rc=$?
+  if ((rc == 5)); then
+    echo "=== test.sh: step '$name' collected no tests; counted as a failure" >&2
+  fi
+  if ((rc != 0)); then
+    failed+=("$name (exit $rc)")
+  fi
+}
+
+if [[ $only != sim ]]; then
+  run_step fast -m "not sim" "${pytest_args[@]}"  # testpaths = tests (pytest.ini)
+fi
+if [[ $only != fast ]]; then
+  run_step sim -m sim -o testpaths=tests/sim "${pytest_args[@]}"
+fi
+
+if ((${#failed[@]})); then
+  echo "=== test.sh: FAILED: ${failed[*]}" >&2
+  exit 1
+fi
+echo "=== test.sh: all steps passed" >&2

@@ -1,0 +1,71 @@
+"""Config errors: unknown keys, wrong types and inconsistent values fail before any work."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import default
+from jaxvla import config_checks
+from tests.conftest import ROOT
+
+
+def run_main(*args):
+  return subprocess.run([sys.executable, "-m", "jaxvla.main", "--workdir=/nonexistent/x", *args],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_every_field_is_commented():
+  src = open(os.path.join(ROOT, "configs", "default.py")).read()
+  for line in src.splitlines():
+    s = line.strip()
+    if s.startswith("c.") and " = " in s and "ConfigDict()" not in s and line.startswith("  c."):
+      assert "#" in s, f"config field without a comment: {s}"
+
+
+def test_top_level_fields():
+  c = default.get_config()
+  assert isinstance(c.seed, int) and isinstance(c.total_env_steps, int)
+
+
+def test_unknown_key_fails_naming_it():
+  r = run_main("--config=configs/default.py", "--config.ppo.learnin_rate=0.1")
+  assert r.returncode != 0
+  assert "learnin_rate" in r.stderr
+
+
+def test_wrong_type_fails_naming_it():
+  r = run_main("--config=configs/default.py", "--config.num_envs=many")
+  assert r.returncode != 0
+  assert "num_envs" in r.stderr
+
+
+def test_unknown_variant_fails():
+  r = run_main("--config=configs/default.py:turbo")
+  assert r.returncode != 0 and "turbo" in r.stderr
+
+
+def test_locked_config_rejects_new_fields():
+  c = default.get_config()
+  c.lock()
+  with pytest.raises(AttributeError):
+    c.ppo.learnin_rate = 0.1
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("num_envs", 0, "config.num_envs"),
+    ("model.train_sampler", "ode", "config.model.train_sampler"),
+    ("ppo.num_minibatches", 7, "config.ppo.num_minibatches"),
+    ("model.chunk_len", 500, "config.model.chunk_len"),
+])
+def test_inconsistent_values_name_the_key(key, value, match):
+  c = default.get_config()
+  node = c
+  *path, last = key.split(".")
+  for p in path:
+    node = node[p]
+  node[last] = value
+  with pytest.raises(ValueError, match=match):
+    config_checks.validate(c)
