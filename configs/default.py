@@ -18,7 +18,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                      f"{[v for v in VARIANTS if v]}")
   c = ml_collections.ConfigDict()
   c.seed = 0  # Seed of parameters, sampling and env episodes.
-  c.total_env_steps = 300_000  # Budget: RL env steps (executed actions) of the whole run.
+  c.total_env_steps = 250_000  # Budget: RL env steps (executed actions) of the whole run.
   c.num_envs = 64  # Envs stepped in parallel for RL rollouts.
   c.rollout_len = 10  # Chunk steps per env per training iteration.
   c.resume = False  # Continue from the latest checkpoint in the workdir.
@@ -28,11 +28,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.image_size = 32  # Camera image side in pixels.
   c.env.num_targets = 3  # Coloured targets per episode; the instruction names one.
   c.env.num_colours = 4  # Size of the colour palette targets are drawn from.
-  c.env.max_episode_steps = 15  # Time limit in env steps.
+  c.env.max_episode_steps = 10  # Time limit in env steps.
   c.env.max_speed = 0.1  # Distance moved per step at full action.
-  c.env.goal_radius = 0.15  # Success distance to the named target.
-  c.env.wrong_target_radius = 0.15  # Touching another target within this ends in failure.
-  c.env.min_separation = 0.5  # Minimum distance between targets and the start.
+  c.env.goal_radius = 0.2  # Success distance to the named target.
+  c.env.wrong_target_radius = 0.2  # Touching another target within this ends in failure.
+  c.env.min_separation = 0.55  # Minimum distance between targets and the start.
+  c.env.layout = "ring"  # 'ring': agent starts at the centre, targets around it; 'uniform'.
+  c.env.ring_radius = (0.45, 0.85)  # 'ring': (min, max) distance of targets from the centre.
   c.env.latency_ms = 0.0  # Median simulated per-step latency (slept), 0 for none.
   c.env.latency_sigma = 1.0  # Log-normal shape of that latency (long tail when large).
 
@@ -56,8 +58,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.bc = ml_collections.ConfigDict()
   c.bc.num_episodes = 3000  # Scripted-expert episodes collected for the warm start.
   c.bc.demo_noise = 0.3  # Gaussian noise added to the expert's executed actions.
-  c.bc.expert_speed = 0.5  # Demonstrator speed (fraction of max): cautious, like teleoperation.
-  c.bc.num_steps = 1500  # Gradient steps of the warm start (0: start RL from scratch).
+  c.bc.expert_speed = 0.4  # Demonstrator speed (fraction of max): cautious, like teleoperation.
+  c.bc.num_steps = 3500  # Gradient steps of the warm start (0: start RL from scratch).
   c.bc.batch_size = 64  # Warm-start batch size (chunks).
   c.bc.learning_rate = 1e-3  # Warm-start Adam learning rate.
 

@@ -47,6 +47,10 @@ class ColorReach:
     goal_radius: success distance to the named target.
     wrong_target_radius: touching another target within this distance fails.
     min_separation: minimum distance between targets and the agent's start.
+    layout: 'ring': the agent starts at the centre (a robot's home pose) and
+      targets lie at random angles at distances in ``ring_radius``; 'uniform':
+      agent and targets anywhere.
+    ring_radius: ``(min, max)`` target distance from the centre for 'ring'.
     latency_ms: median per-step latency slept in ``step_chunk`` (0: none).
     latency_sigma: log-normal shape of the latency (larger: longer tail).
     seed: seed of the episode generator.
@@ -55,7 +59,8 @@ class ColorReach:
   def __init__(self, num_envs: int, *, image_size: int = 32, num_targets: int = 3,
                num_colours: int = 4, max_episode_steps: int = 50, max_speed: float = 0.1,
                goal_radius: float = 0.15, wrong_target_radius: float = 0.15,
-               min_separation: float = 0.5, latency_ms: float = 0.0,
+               min_separation: float = 0.5, layout: str = "ring",
+               ring_radius: tuple[float, float] = (0.4, 0.85), latency_ms: float = 0.0,
                latency_sigma: float = 1.0, seed: int = 0):
     if not 1 <= num_targets <= num_colours <= len(COLOURS):
       raise ValueError(
@@ -72,6 +77,11 @@ class ColorReach:
     self.goal_radius = goal_radius
     self.wrong_target_radius = wrong_target_radius
     self.min_separation = min_separation
+    if layout not in ("ring", "uniform"):
+      raise ValueError(f"env.layout={layout!r} is not 'ring' or 'uniform'")
+    if not 0 <= ring_radius[0] <= ring_radius[1] <= 0.9:
+      raise ValueError(f"env.ring_radius={ring_radius} must satisfy 0 <= min <= max <= 0.9")
+    self.layout, self.ring_radius = layout, tuple(ring_radius)
     self.latency_ms = latency_ms
     self.latency_sigma = latency_sigma
     self.spec = protocol.EnvSpec(
@@ -112,7 +122,13 @@ class ColorReach:
     """Rejection-samples ``n`` points ``[n, 2]`` at least ``min_separation`` apart."""
     margin = 0.85
     for _ in range(1000):
-      pts = self._rng.uniform(-margin, margin, size=(n, 2)).astype(np.float32)
+      if self.layout == "ring":
+        angle = self._rng.uniform(0, 2 * np.pi, n - 1)
+        radius = self._rng.uniform(*self.ring_radius, n - 1)
+        ring = np.stack([np.cos(angle), np.sin(angle)], -1) * radius[:, None]
+        pts = np.concatenate([np.zeros((1, 2)), ring]).astype(np.float32)
+      else:
+        pts = self._rng.uniform(-margin, margin, size=(n, 2)).astype(np.float32)
       d = np.linalg.norm(pts[:, None] - pts[None], axis=-1) + np.eye(n) * 10
       if d.min() >= self.min_separation:
         return pts
@@ -231,5 +247,6 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> ColorRe
       num_colours=config.num_colours, max_episode_steps=config.max_episode_steps,
       max_speed=config.max_speed, goal_radius=config.goal_radius,
       wrong_target_radius=config.wrong_target_radius,
-      min_separation=config.min_separation, latency_ms=config.latency_ms,
+      min_separation=config.min_separation, layout=config.layout,
+      ring_radius=tuple(config.ring_radius), latency_ms=config.latency_ms,
       latency_sigma=config.latency_sigma, seed=seed)
