@@ -1,0 +1,1 @@
+"""jaxvla: RL fine-tuning of Vision-Language-Action policies in JAX."""

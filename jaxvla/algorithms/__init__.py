@@ -1,0 +1,1 @@
+"""RL algorithms as pure functions (advantages, losses)."""

@@ -1,0 +1,1 @@
+"""Demonstration data for supervised warm starts."""

@@ -1,0 +1,1 @@
+"""The learner: train state and jitted update steps."""

@@ -79,6 +79,8 @@ class Learner:
                   traj: trajectory_lib.Trajectory) -> tuple[TrainState, dict]:
     """PPO epochs over one trajectory ``[T, B]``; returns mean diagnostics."""
     cfg = self.ppo_config
+    # done = terminated | truncated: the time limit is part of the task (the
+    # objective is success within it), so a truncated episode is not bootstrapped.
     adv, returns = gae.compute_gae(traj.reward, traj.value, traj.done, traj.bootstrap_value,
                                    gamma=cfg.gamma, lam=cfg.gae_lambda)
     flat = lambda x: x.reshape((-1,) + x.shape[2:])

@@ -1,0 +1,1 @@
+"""Policies: the policy contract, the flow VLA network, samplers and tokenizers."""

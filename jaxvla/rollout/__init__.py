@@ -1,0 +1,1 @@
+"""Rollout: the trajectory type, synchronous collection and evaluation."""
