@@ -1,7 +1,8 @@
 """ColorReach: the built-in environment for the default run, tests and benchmarks.
 
 A point agent moves in the square ``[-1, 1]^2``. Several coloured targets lie at
-random places; the instruction names one colour ("move to the red target"). The
+random places (by default around the agent's fixed start at the centre, like a
+robot's home pose); the instruction names one colour ("move to the red target"). The
 episode succeeds (reward 1) when the agent comes within ``goal_radius`` of the
 named target and fails (reward 0) if it touches another target first. Target
 positions are only visible in the RGB image and the goal colour only in the
