@@ -50,6 +50,7 @@ EXTRAS_REQUIRE = {
     "test": [
         "pytest",
         "pytest-timeout",
+        "psutil",  # tests/test_pool.py checks no worker outlives the pool
     ],
 }
 

@@ -21,6 +21,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.total_env_steps = 250_000  # Budget: RL env steps (executed actions) of the whole run.
   c.num_envs = 64  # Envs stepped in parallel for RL rollouts.
   c.rollout_len = 10  # Chunk steps per env per training iteration.
+  c.env_workers = 0  # Env worker processes for rollouts (0: step envs in the trainer process).
+  c.env_step_timeout_s = 120.0  # Pool only: a worker silent this long on a chunk is restarted.
   c.resume = False  # Continue from the latest checkpoint in the workdir.
 
   c.env = ml_collections.ConfigDict()

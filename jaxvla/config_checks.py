@@ -14,6 +14,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ``ValueError`` naming the first inconsistent field of ``c``."""
   _require(c.total_env_steps >= 0, "total_env_steps", f"must be >= 0, got {c.total_env_steps}")
   _require(c.num_envs >= 1, "num_envs", f"must be >= 1, got {c.num_envs}")
+  _require(c.env_workers >= 0 and (c.env_workers == 0 or c.num_envs % c.env_workers == 0),
+           "env_workers", f"must be >= 0 and divide num_envs={c.num_envs}, got {c.env_workers}")
+  _require(c.env_step_timeout_s > 0, "env_step_timeout_s", "must be > 0")
   _require(c.rollout_len >= 1, "rollout_len", f"must be >= 1, got {c.rollout_len}")
   _require(1 <= c.model.chunk_len <= c.env.max_episode_steps, "model.chunk_len",
            f"must be in [1, env.max_episode_steps={c.env.max_episode_steps}], "

@@ -21,7 +21,7 @@ import numpy as np
 from jaxvla import checkpoint as checkpoint_lib
 from jaxvla import config_checks, metrics as metrics_lib
 from jaxvla.data import demos
-from jaxvla.envs import make_env
+from jaxvla.envs import make_env, make_vec_env
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import collector as collector_lib
@@ -132,7 +132,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
     f.write(config.to_json_best_effort(indent=2))
   rng = jax.random.PRNGKey(config.seed)
-  env = make_env(config.env, config.num_envs, config.seed)
+  env = make_vec_env(config.env, config.num_envs, config.seed,
+                     num_workers=config.env_workers, step_timeout_s=config.env_step_timeout_s)
   s = _build(config, workdir, env.spec)
   setup_key, rollout_key, eval_key = jax.random.split(rng, 3)
   state, run = _initial_state(config, s, setup_key)

@@ -6,7 +6,10 @@ import ml_collections
 
 from jaxvla.envs.protocol import ChunkStep, EnvSpec, EpisodeStats, Observation, VecEnv
 
-_ENV_MODULES = {"builtin": "jaxvla.envs.builtin"}
+_ENV_MODULES = {
+    "builtin": "jaxvla.envs.builtin",
+    "maniskill": "jaxvla.envs.maniskill",
+}
 
 
 def make_env(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> VecEnv:
@@ -18,4 +21,26 @@ def make_env(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> Vec
   return importlib.import_module(_ENV_MODULES[config.name]).make(config, num_envs, seed)
 
 
-__all__ = ["ChunkStep", "EnvSpec", "EpisodeStats", "Observation", "VecEnv", "make_env"]
+def make_vec_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
+                 num_workers: int, step_timeout_s: float) -> VecEnv:
+  """``num_envs`` envs in this process (``num_workers == 0``) or in a worker pool.
+
+  With workers, each of the ``num_workers`` processes owns ``num_envs /
+  num_workers`` envs (:class:`jaxvla.envs.pool.EnvPool`); the spec is read from a
+  one-env probe built here.
+  """
+  if num_workers == 0:
+    return make_env(config, num_envs, seed)
+  if num_workers < 0 or num_envs % num_workers:
+    raise ValueError(f"config.env_workers={num_workers} must be >= 0 and divide "
+                     f"num_envs={num_envs}")
+  from jaxvla.envs import pool  # pylint: disable=import-outside-toplevel
+  probe = make_env(config, 1, seed)
+  spec = probe.spec
+  probe.close()
+  return pool.EnvPool(pool.config_env_fn(config), num_envs, num_envs // num_workers, spec,
+                      step_timeout_s=step_timeout_s, seed=seed)
+
+
+__all__ = ["ChunkStep", "EnvSpec", "EpisodeStats", "Observation", "VecEnv", "make_env",
+           "make_vec_env"]

@@ -1,0 +1,169 @@
+"""ManiSkill3 adapter on the CPU simulator: ``count`` single-env instances behind the VecEnv contract.
+
+ManiSkill3's CPU backend simulates one env per instance (and is best run one
+instance per process: see :mod:`jaxvla.envs.pool`). Each instance is a
+``gymnasium.make(task, sim_backend="cpu", num_envs=1)`` env; this class steps
+them one chunk at a time, auto-resets finished episodes, and maps observations to
+the common structure: RGB per camera (``obs_mode="rgb"``) or no image
+(``obs_mode="state"``: a 1x1 black placeholder keeps shapes uniform), state =
+the agent's ``qpos`` and ``qvel`` and the task's ``extra`` fields (``state``
+mode: ManiSkill's flat state vector), and a fixed
+instruction per task. Actions in ``[-1, 1]`` are mapped linearly onto the
+controller's action bounds.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+import numpy as np
+
+from jaxvla.envs import protocol
+
+# Instructions for the tasks that run offline (no asset download).
+INSTRUCTIONS = {
+    "PickCube-v1": "pick up the red cube and move it to the goal",
+    "PushCube-v1": "push the cube to the goal",
+    "StackCube-v1": "stack the red cube on the green cube",
+    "PullCube-v1": "pull the cube to the goal",
+    "PokeCube-v1": "poke the cube with the peg",
+    "PlaceSphere-v1": "place the sphere into the bin",
+    "RollBall-v1": "roll the ball to the goal",
+    "LiftPegUpright-v1": "lift the peg upright",
+    "PegInsertionSide-v1": "insert the peg into the hole",
+    "PushT-v1": "push the t block onto the target",
+}
+OBS_MODES = ("rgb", "state")
+CONTROL_MODES = ("pd_joint_delta_pos", "pd_ee_delta_pose")
+
+
+def _np(x) -> np.ndarray:
+  """Torch tensor (CPU) or array -> NumPy."""
+  return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
+
+
+class ManiSkillCPU:
+  """``count`` ManiSkill3 CPU envs (implements :class:`protocol.VecEnv`).
+
+  Args:
+    task: a ManiSkill3 env id, e.g. ``"PickCube-v1"``.
+    count: number of instances in this process.
+    obs_mode: ``"rgb"`` or ``"state"``.
+    control_mode: ``"pd_joint_delta_pos"`` or ``"pd_ee_delta_pose"``.
+    image_size: camera width and height (``rgb``).
+    max_episode_steps: time limit in env steps.
+    reward_mode: ManiSkill's reward mode (``"sparse"``: 1 on success).
+    seed: episode seeds are ``seed + env index + count * episode number``.
+  """
+
+  def __init__(self, task: str, count: int, *, obs_mode: str = "rgb",
+               control_mode: str = "pd_joint_delta_pos", image_size: int = 64,
+               max_episode_steps: int = 50, reward_mode: str = "sparse", seed: int = 0):
+    if task not in INSTRUCTIONS:
+      raise ValueError(f"env.task={task!r} is not one of the offline ManiSkill3 tasks "
+                       f"{sorted(INSTRUCTIONS)}")
+    if obs_mode not in OBS_MODES:
+      raise ValueError(f"env.obs_mode={obs_mode!r} is not one of {OBS_MODES}")
+    if control_mode not in CONTROL_MODES:
+      raise ValueError(f"env.control_mode={control_mode!r} is not one of {CONTROL_MODES}")
+    import gymnasium as gym
+    import mani_skill.envs  # noqa: F401  (registers the tasks)
+
+    self.task_name = task
+    self.num_envs = count
+    self.obs_mode = obs_mode
+    kwargs = dict(obs_mode=obs_mode, sim_backend="cpu", num_envs=1, control_mode=control_mode,
+                  reward_mode=reward_mode, max_episode_steps=max_episode_steps)
+    if obs_mode == "rgb":
+      kwargs["sensor_configs"] = dict(width=image_size, height=image_size)
+    else:
+      kwargs["render_backend"] = "none"
+    self._envs = [gym.make(task, **kwargs) for _ in range(count)]
+    space = self._envs[0].action_space
+    self._low, self._high = space.low.reshape(-1), space.high.reshape(-1)
+    self._seed = seed
+    self._episode = np.zeros(count, np.int64)
+    self._last = [self._reset_one(i) for i in range(count)]
+    first = self._last[0]
+    cams = tuple(sorted(first["sensor_data"])) if obs_mode == "rgb" else ("none",)
+    shape = (image_size, image_size, 3) if obs_mode == "rgb" else (1, 1, 3)
+    self.spec = protocol.EnvSpec(camera_names=cams, image_shape=shape,
+                                 state_dim=self._state(first).shape[0],
+                                 action_dim=self._low.shape[0],
+                                 max_episode_steps=max_episode_steps)
+    self.t = np.zeros(count, np.int32)
+    self.ep_return = np.zeros(count, np.float32)
+
+  def _reset_one(self, i: int) -> dict:
+    obs, _ = self._envs[i].reset(seed=int(self._seed + i + self.num_envs * self._episode[i]))
+    self._episode[i] += 1
+    return obs
+
+  @staticmethod
+  def _state(obs) -> np.ndarray:
+    if not isinstance(obs, dict):  # obs_mode="state": already the flat state [1, D]
+      return _np(obs).reshape(-1).astype(np.float32)
+    parts = [_np(obs["agent"][k]).reshape(-1) for k in sorted(obs["agent"])]
+    parts += [_np(obs["extra"][k]).reshape(-1) for k in sorted(obs["extra"])]
+    return np.concatenate(parts).astype(np.float32)
+
+  def observe(self) -> protocol.Observation:
+    if self.obs_mode == "rgb":
+      images = np.stack([
+          np.stack([_np(o["sensor_data"][c]["rgb"])[0] for c in self.spec.camera_names])
+          for o in self._last]).astype(np.uint8)
+    else:
+      images = np.zeros((self.num_envs, 1, 1, 1, 3), np.uint8)
+    return protocol.Observation(
+        images=images, state=np.stack([self._state(o) for o in self._last]),
+        instruction=np.array([INSTRUCTIONS[self.task_name]] * self.num_envs, dtype=object))
+
+  def reset(self, seed: int) -> protocol.Observation:
+    self._seed = seed
+    self._episode[:] = 0
+    self._last = [self._reset_one(i) for i in range(self.num_envs)]
+    self.t[:] = 0
+    self.ep_return[:] = 0
+    return self.observe()
+
+  def step_chunk(self, actions: np.ndarray) -> protocol.ChunkStep:
+    actions = protocol.check_actions(actions, self.num_envs, self.spec.action_dim)
+    scaled = self._low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (self._high - self._low)
+    n = self.num_envs
+    reward, steps = np.zeros(n, np.float32), np.zeros(n, np.int32)
+    terminated, truncated, success = (np.zeros(n, bool) for _ in range(3))
+    episodes = []
+    for i, env in enumerate(self._envs):
+      for a in scaled[i]:
+        obs, r, term, trunc, info = env.step(a[None])
+        self._last[i] = obs
+        reward[i] += float(_np(r).reshape(-1)[0])
+        steps[i] += 1
+        self.t[i] += 1
+        success[i] = bool(_np(info["success"]).reshape(-1)[0])
+        terminated[i] = bool(_np(term).reshape(-1)[0])
+        truncated[i] = bool(_np(trunc).reshape(-1)[0]) and not terminated[i]
+        if terminated[i] or truncated[i]:
+          break
+      self.ep_return[i] += reward[i]
+      if terminated[i] or truncated[i]:
+        episodes.append(protocol.EpisodeStats(
+            env_id=i, episode_return=float(self.ep_return[i]), length=int(self.t[i]),
+            success=bool(success[i]), truncated=bool(truncated[i])))
+        self._last[i] = self._reset_one(i)
+        self.t[i], self.ep_return[i] = 0, 0.0
+    success &= terminated | truncated
+    return protocol.ChunkStep(obs=self.observe(), reward=reward, terminated=terminated,
+                              truncated=truncated, success=success, steps=steps,
+                              episodes=episodes)
+
+  def close(self) -> None:
+    for env in self._envs:
+      env.close()
+
+
+def make(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> ManiSkillCPU:
+  """Builds ``num_envs`` CPU instances in this process from the ``env`` sub-config."""
+  return ManiSkillCPU(config.task, num_envs, obs_mode=config.obs_mode,
+                      control_mode=config.control_mode, image_size=config.image_size,
+                      max_episode_steps=config.max_episode_steps,
+                      reward_mode=config.reward_mode, seed=seed)

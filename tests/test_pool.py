@@ -1,0 +1,285 @@
+"""EnvPool: equivalence with in-process stepping, first-ready batching, faults, clean close."""
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from configs import default
+from jaxvla.envs import pool as pool_lib
+
+CHUNK = 4
+CFG = {**default.get_config("smoke").env.to_dict(), "image_size": 16}
+SPEC = pool_lib.config_env_fn(CFG)(0, 1, 0).spec
+
+
+class _ScriptedEnv:
+  """A one-env ColorReach that sleeps, hangs once or raises, per the factory's env ids."""
+  task_name = "scripted-reach"
+
+  def __init__(self, env, env_id: int, fn: "ScriptedFn"):
+    self.env, self.env_id, self.fn = env, env_id, fn
+    self.spec, self.num_envs = env.spec, env.num_envs
+
+  def reset(self, seed):
+    return self.env.reset(seed)
+
+  def step_chunk(self, actions):
+    if self.env_id in self.fn.fail_ids:
+      raise FloatingPointError("simulated physics blow-up")
+    if self.env_id in self.fn.slow_ids:
+      time.sleep(self.fn.sleep_s)
+    if self.env_id in self.fn.hang_ids and not os.path.exists(self.fn.hang_marker):
+      open(self.fn.hang_marker, "w").close()  # Hang once: the restarted env steps normally.
+      time.sleep(120)
+    return self.env.step_chunk(actions)
+
+  def close(self):
+    self.env.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedFn:
+  """Picklable env_fn: built-in envs with scripted slowness, hangs and failures."""
+  slow_ids: tuple = ()
+  sleep_s: float = 0.0
+  hang_ids: tuple = ()
+  hang_marker: str = ""
+  fail_ids: tuple = ()
+  fail_build: bool = False
+
+  def __call__(self, first_env_id, count, seed):
+    if self.fail_build:
+      raise OSError(f"no simulator assets for env {first_env_id}")
+    return _ScriptedEnv(pool_lib.config_env_fn(CFG)(first_env_id, count, seed), first_env_id,
+                        self)
+
+
+def make_pool(num_envs=4, envs_per_worker=2, env_fn=None, step_timeout_s=30.0):
+  return pool_lib.EnvPool(env_fn or pool_lib.config_env_fn(CFG), num_envs, envs_per_worker,
+                          SPEC, step_timeout_s=step_timeout_s)
+
+
+def reference_envs(num_envs, seed):
+  """The pool's envs built and reset in-process, env i seeded by env_seed(seed, i)."""
+  envs = [pool_lib.config_env_fn(CFG)(i, 1, 0) for i in range(num_envs)]
+  obs = [e.reset(pool_lib.env_seed(seed, i)) for i, e in enumerate(envs)]
+  return envs, obs
+
+
+def random_actions(rng, n):
+  return rng.uniform(-1, 1, (n, CHUNK, SPEC.action_dim)).astype(np.float32)
+
+
+def test_step_chunk_equals_in_process_stepping():
+  rng = np.random.default_rng(0)
+  envs, ref_obs = reference_envs(4, seed=7)
+  with make_pool() as pool:
+    obs = pool.reset(7)
+    np.testing.assert_array_equal(obs.images, np.concatenate([o.images for o in ref_obs]))
+    np.testing.assert_array_equal(obs.state, np.concatenate([o.state for o in ref_obs]))
+    assert obs.instruction.tolist() == [o.instruction[0] for o in ref_obs]
+    episodes = 0
+    for _ in range(6):
+      actions = random_actions(rng, 4)
+      got = pool.step_chunk(actions)
+      refs = [e.step_chunk(actions[i:i + 1]) for i, e in enumerate(envs)]
+      for field in ("reward", "terminated", "truncated", "success", "steps"):
+        np.testing.assert_array_equal(getattr(got, field),
+                                      np.concatenate([getattr(r, field) for r in refs]))
+      np.testing.assert_array_equal(got.obs.images,
+                                    np.concatenate([r.obs.images for r in refs]))
+      np.testing.assert_array_equal(got.obs.state, np.concatenate([r.obs.state for r in refs]))
+      assert got.obs.instruction.tolist() == [r.obs.instruction[0] for r in refs]
+      ref_eps = [dataclasses.replace(e, env_id=i) for i, r in enumerate(refs) for e in r.episodes]
+      assert got.episodes == ref_eps
+      episodes += len(got.episodes)
+    assert episodes > 0  # Auto-reset happened inside the workers.
+    assert pool.stats.chunks == 24 and pool.stats.restarts == 0
+
+
+def test_recv_returns_sent_ids_with_their_rows_and_idle_envs_stay_put():
+  rng = np.random.default_rng(1)
+  envs, _ = reference_envs(4, seed=3)
+  with make_pool() as pool:
+    pool.reset(3)
+    with pytest.raises(RuntimeError, match="no chunk in flight"):
+      pool.recv(4, 0.0)
+    actions = random_actions(rng, 2)
+    pool.send(actions, np.array([3, 0]))  # Env 3 on worker 1, env 0 on worker 0; 1, 2 idle.
+    got_ids, got = [], []
+    while len(got_ids) < 2:
+      ids, res = pool.recv(4, 10.0)
+      got_ids += ids.tolist()
+      got.append((ids, res))
+    assert sorted(got_ids) == [0, 3]
+    t0 = time.monotonic()
+    one = random_actions(rng, 1)
+    pool.send(one, np.array([2]))
+    ids, _ = pool.recv(4, 30.0)  # Nothing else in flight: no waiting for T_max.
+    assert ids.tolist() == [2] and time.monotonic() - t0 < 10.0
+    envs[2].step_chunk(one)  # Keep the reference in step.
+    ref = {3: envs[3].step_chunk(actions[0:1]), 0: envs[0].step_chunk(actions[1:2])}
+    for ids, res in got:
+      for k, i in enumerate(ids):
+        np.testing.assert_array_equal(res.obs.images[k], ref[i].obs.images[0])
+        np.testing.assert_array_equal(res.obs.state[k], ref[i].obs.state[0])
+        assert res.reward[k] == ref[i].reward[0]
+    # Env 1 was never sent: it stayed idle, so its next step matches its first in-process.
+    actions = random_actions(rng, 4)
+    full = pool.step_chunk(actions)
+    for i in range(4):
+      ref_i = envs[i].step_chunk(actions[i:i + 1])
+      np.testing.assert_array_equal(full.obs.state[i], ref_i.obs.state[0])
+
+
+def test_first_ready_does_not_wait_for_a_slow_worker():
+  with make_pool(envs_per_worker=1, env_fn=ScriptedFn(slow_ids=(0,), sleep_s=2.0)) as pool:
+    pool.reset(0)
+    t0 = time.monotonic()
+    pool.send(random_actions(np.random.default_rng(2), 4), np.arange(4))
+    ids_a, res_a = pool.recv(2, float("inf"))  # b_max: return as soon as two are ready.
+    assert len(ids_a) == 2 and 0 not in ids_a and res_a.obs.state.shape == (2, 2)
+    ids_b, _ = pool.recv(4, 0.2)  # The third fast one; T_max long passed for it.
+    t_fast = time.monotonic() - t0
+    assert sorted(ids_a.tolist() + ids_b.tolist()) == [1, 2, 3]
+    assert t_fast < 1.8  # Well before the slow env's 2 s.
+    ids_c, _ = pool.recv(4, 0.0)
+    assert ids_c.tolist() == [0] and time.monotonic() - t0 >= 1.9
+
+
+def test_t_max_bounds_the_wait_after_the_first_ready_env():
+  t_max = 0.6
+  with make_pool(envs_per_worker=1, env_fn=ScriptedFn(slow_ids=(2,), sleep_s=2.5)) as pool:
+    pool.reset(0)
+    t0 = time.monotonic()
+    pool.send(random_actions(np.random.default_rng(3), 4), np.arange(4))
+    ids, _ = pool.recv(4, t_max)
+    waited = time.monotonic() - t0
+    assert sorted(ids.tolist()) == [0, 1, 3]
+    # It waited T_max past the first ready env (which is after the send), but not for the slow one.
+    assert t_max <= waited < t_max + 1.0
+    ids, _ = pool.recv(1, 0.0)
+    assert ids.tolist() == [2]
+
+
+def test_sigkill_restarts_worker_and_reports_truncated_episodes():
+  rng = np.random.default_rng(4)
+  with make_pool() as pool:
+    pool.reset(0)
+    first = pool.step_chunk(random_actions(rng, 4))
+    old_pid = pool.pids[0]
+    os.kill(old_pid, signal.SIGKILL)
+    res = pool.step_chunk(random_actions(rng, 4))
+    assert res.truncated[:2].all() and res.done[:2].all() and not res.truncated[2:].any()
+    assert pool.stats.restarts == 1 and pool.stats.died == 1
+    lost = [e for e in res.episodes if e.env_id in (0, 1)]
+    assert [e.env_id for e in lost] == [0, 1] and pool.stats.truncated_by_fault == 2
+    assert all(e.truncated and not e.success for e in lost)
+    # The lost episodes' lengths: what they had run before the kill (0 if one just auto-reset).
+    assert [e.length for e in lost] == [0 if first.done[i] else first.steps[i] for i in (0, 1)]
+    assert pool.pids[0] != old_pid and not psutil.pid_exists(old_pid)
+    assert res.obs.images.shape == (4, 1, 16, 16, 3)
+    after = pool.step_chunk(random_actions(rng, 4))  # The run goes on.
+    assert after.steps.min() >= 1 and pool.stats.restarts == 1
+
+
+def test_kill_with_chunks_in_flight_and_with_idle_envs_in_the_async_api():
+  zeros = np.zeros((4, CHUNK, 2), np.float32)  # The agent stays put: no episode ends by itself.
+
+  def recv_all(pool, n):
+    ids, results = [], []
+    while len(ids) < n:
+      i, r = pool.recv(n, 30.0)
+      ids += i.tolist()
+      results += [(int(k), bool(t), int(s)) for k, t, s in zip(i, r.truncated, r.steps)]
+    return sorted(results)
+
+  with make_pool(env_fn=ScriptedFn(slow_ids=(0,), sleep_s=3.0)) as pool:
+    pool.reset(0)
+    pool.send(zeros, np.arange(4))
+    ids, _ = pool.recv(2, float("inf"))
+    assert sorted(ids.tolist()) == [2, 3]  # Worker 0 is still busy with slow env 0.
+    os.kill(pool.pids[0], signal.SIGKILL)  # In flight: envs 0 and 1.
+    assert recv_all(pool, 2) == [(0, True, 0), (1, True, 0)]
+    os.kill(pool.pids[1], signal.SIGKILL)  # Idle: envs 2 and 3 (their results were received).
+    pool.send(zeros[:1], np.array([2]))
+    assert recv_all(pool, 1) == [(2, True, 0)]
+    pool.send(zeros[:1], np.array([3]))  # Its episode ended with the restart: reported now.
+    ids, res = pool.recv(1, 0.0)
+    assert ids.tolist() == [3] and res.truncated[0] and res.steps[0] == 0
+    assert [(e.env_id, e.length, e.truncated) for e in res.episodes] == [(3, CHUNK, True)]
+    assert pool.stats.restarts == 2 and pool.stats.died == 2
+    assert pool.stats.truncated_by_fault == 4
+    pool.send(zeros[:3], np.array([1, 2, 3]))  # The run goes on with fresh episodes.
+    assert recv_all(pool, 3) == [(i, False, CHUNK) for i in (1, 2, 3)]
+
+
+def test_hung_worker_is_restarted_after_step_timeout(tmp_path):
+  fn = ScriptedFn(hang_ids=(1,), hang_marker=str(tmp_path / "hung-once"))
+  with make_pool(env_fn=fn, step_timeout_s=1.0) as pool:
+    pool.reset(0)
+    t0 = time.monotonic()
+    res = pool.step_chunk(random_actions(np.random.default_rng(5), 4))
+    assert 1.0 <= time.monotonic() - t0 < 30.0
+    assert pool.stats.hung == 1 and pool.stats.restarts == 1
+    assert pool.stats.truncated_by_fault == 2  # Envs 0 and 1 were in flight on that worker.
+    assert res.truncated[:2].all()
+    assert sorted(e.env_id for e in res.episodes if e.truncated) == [0, 1]
+    res = pool.step_chunk(random_actions(np.random.default_rng(6), 4))
+    assert (res.steps >= 1).all() and pool.stats.restarts == 1
+
+
+def test_simulator_exception_surfaces_with_env_id_task_and_traceback():
+  with make_pool(env_fn=ScriptedFn(fail_ids=(3,))) as pool:
+    pool.reset(0)
+    with pytest.raises(RuntimeError) as err:
+      pool.step_chunk(random_actions(np.random.default_rng(7), 4))
+    msg = str(err.value)
+    assert "env id(s) [3]" in msg and "scripted-reach" in msg
+    assert "FloatingPointError: simulated physics blow-up" in msg and "Traceback" in msg
+    assert pool.stats.sim_errors == 1
+  with pytest.raises(RuntimeError, match=r"(?s)env id\(s\) \[0, 1\].*no simulator assets"):
+    make_pool(env_fn=ScriptedFn(fail_build=True))
+
+
+def test_bad_actions_and_ids_raise_value_error():
+  with pytest.raises(ValueError, match="must divide"):
+    make_pool(num_envs=3, envs_per_worker=2)
+  with make_pool(num_envs=2, envs_per_worker=2) as pool:
+    with pytest.raises(RuntimeError, match="reset"):
+      pool.send(np.zeros((1, CHUNK, 2), np.float32), np.array([0]))
+    pool.reset(0)
+    with pytest.raises(ValueError, match=r"action_dim=2.*\(2, 4, 3\)"):
+      pool.step_chunk(np.zeros((2, CHUNK, 3), np.float32))
+    with pytest.raises(ValueError, match=r"num_envs=1.*\(2, 4, 2\)"):
+      pool.send(np.zeros((2, CHUNK, 2), np.float32), np.array([0]))
+    with pytest.raises(ValueError, match=r"unknown env ids \[7\]"):
+      pool.send(np.zeros((1, CHUNK, 2), np.float32), np.array([7]))
+    with pytest.raises(ValueError, match="repeated"):
+      pool.send(np.zeros((2, CHUNK, 2), np.float32), np.array([1, 1]))
+    pool.send(np.zeros((1, CHUNK, 2), np.float32), np.array([1]))
+    with pytest.raises(ValueError, match=r"\[1\] already have a chunk"):
+      pool.send(np.zeros((1, CHUNK, 2), np.float32), np.array([1]))
+    ids, _ = pool.recv(1, 0.0)
+    assert ids.tolist() == [1]
+
+
+def test_close_leaves_no_processes_or_shared_memory():
+  pool = make_pool()
+  pool.reset(0)
+  os.kill(pool.pids[1], signal.SIGKILL)
+  pool.step_chunk(random_actions(np.random.default_rng(8), 4))  # Restart, then close.
+  pids, names = pool.pids, [s.name for s in pool._shms]
+  pool.close()
+  pool.close()  # Idempotent.
+  assert not [p for p in mp.active_children() if p.name.startswith("jaxvla-env-worker")]
+  assert not any(psutil.pid_exists(p) for p in pids)
+  assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+  with pytest.raises(RuntimeError, match="closed"):
+    pool.reset(0)
