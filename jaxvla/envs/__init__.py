@@ -9,6 +9,7 @@ from jaxvla.envs.protocol import ChunkStep, EnvSpec, EpisodeStats, Observation, 
 _ENV_MODULES = {
     "builtin": "jaxvla.envs.builtin",
     "maniskill": "jaxvla.envs.maniskill",
+    "libero": "jaxvla.envs.libero",
 }
 
 

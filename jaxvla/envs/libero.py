@@ -1,0 +1,197 @@
+"""LIBERO adapter: ``count`` single-env instances of one LIBERO task behind the VecEnv contract.
+
+Each instance is a robosuite/LIBERO ``OffScreenRenderEnv`` (MuJoCo, one env per
+instance; run one or a few per worker process, see :mod:`jaxvla.envs.pool`)
+built with ``hard_reset=False`` (0.1 s resets instead of seconds). The task is
+``"<suite>/<index>"``, e.g. ``"libero_spatial/0"``. This class owns:
+
+* episodes: every reset restores one of the suite's fixed init states (env
+  ``i``'s ``k``-th episode uses ``(seed + i + count * k) % num_init_states``),
+  then runs ``settle_steps`` no-op steps with the gripper open, which are not
+  counted as env steps (objects drop onto the table);
+* observations: the ``agentview`` and ``robot0_eye_in_hand`` cameras turned the
+  right way up (LIBERO renders them upside down; both axes are flipped, as in
+  openpi's LIBERO example), state = end-effector position (3), end-effector
+  axis-angle (3) and gripper finger positions (2), and the task's language
+  instruction;
+* actions: 7-dim OSC deltas plus gripper (``-1`` open, ``+1`` close), clipped to
+  ``[-1, 1]`` (the controller's own range);
+* rewards and ends: LIBERO's ``done`` is task success: reward 1 and terminated;
+  episodes are truncated at the suite's time limit (``max_episode_steps``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import ml_collections
+import numpy as np
+
+from jaxvla.envs import protocol
+
+# Time limits in env steps used in the literature (openpi / RLinf), settle steps excluded.
+SUITE_MAX_STEPS = {
+    "libero_spatial": 220,
+    "libero_object": 280,
+    "libero_goal": 300,
+    "libero_10": 520,
+    "libero_90": 400,
+}
+CAMERAS = ("agentview_image", "robot0_eye_in_hand_image")
+STATE_DIM = 8
+ACTION_DIM = 7
+SETTLE_ACTION = np.array([0.0] * 6 + [-1.0])  # no motion, gripper open
+
+
+def parse_task(task: str) -> tuple[str, int]:
+  """Splits ``"<suite>/<index>"`` into ``(suite, index)``.
+
+  Raises:
+    ValueError: naming ``env.task`` and the valid suites when malformed.
+  """
+  suite, sep, index = str(task).partition("/")
+  if not sep or suite not in SUITE_MAX_STEPS or not index.isdigit():
+    raise ValueError(f"env.task={task!r} must be '<suite>/<index>' with suite one of "
+                     f"{sorted(SUITE_MAX_STEPS)}, e.g. 'libero_spatial/0'")
+  return suite, int(index)
+
+
+def quat2axisangle(quat: np.ndarray) -> np.ndarray:
+  """Quaternion ``(x, y, z, w)`` ``[4]`` -> axis-angle ``[3]`` (as robosuite / openpi)."""
+  quat = np.asarray(quat, np.float64).copy()
+  quat[3] = min(max(quat[3], -1.0), 1.0)
+  den = math.sqrt(1.0 - quat[3] * quat[3])
+  if math.isclose(den, 0.0):
+    return np.zeros(3)
+  return quat[:3] * 2.0 * math.acos(quat[3]) / den
+
+
+class LiberoEnv:
+  """``count`` instances of one LIBERO task (implements :class:`protocol.VecEnv`).
+
+  Args:
+    task: ``"<suite>/<index>"``, suite in :data:`SUITE_MAX_STEPS`.
+    count: number of instances in this process.
+    image_size: camera width and height.
+    max_episode_steps: time limit in env steps; ``0`` takes the suite's limit.
+    settle_steps: uncounted no-op steps after each reset.
+    seed: offset of the init-state indices (see the module docstring).
+  """
+
+  def __init__(self, task: str, count: int, *, image_size: int = 64,
+               max_episode_steps: int = 0, settle_steps: int = 10, seed: int = 0):
+    suite_name, index = parse_task(task)
+    if max_episode_steps < 0 or settle_steps < 0:
+      raise ValueError(f"env.max_episode_steps={max_episode_steps} and "
+                       f"env.settle_steps={settle_steps} must be >= 0")
+    # Imported here: LIBERO reads its config file and robosuite logs at import time.
+    from libero.libero import benchmark, get_libero_path
+    from libero.libero.envs import OffScreenRenderEnv
+
+    suite = benchmark.get_benchmark_dict()[suite_name]()
+    if not 0 <= index < suite.get_num_tasks():
+      raise ValueError(f"env.task={task!r}: index must be in [0, {suite.get_num_tasks()}) "
+                       f"for suite {suite_name!r}")
+    lib_task = suite.get_task(index)
+    bddl = os.path.join(get_libero_path("bddl_files"), lib_task.problem_folder,
+                        lib_task.bddl_file)
+    self.task_name = task
+    self.instruction = str(lib_task.language)
+    self.num_envs = count
+    self.settle_steps = settle_steps
+    self._init_states = np.asarray(suite.get_task_init_states(index))  # [num_inits, D]
+    self._envs = []
+    for i in range(count):
+      env = OffScreenRenderEnv(bddl_file_name=bddl, camera_heights=image_size,
+                               camera_widths=image_size, hard_reset=False)
+      env.seed(int(seed + i) % 2**32)
+      self._envs.append(env)
+    self.spec = protocol.EnvSpec(
+        camera_names=tuple(c[:-len("_image")] for c in CAMERAS),
+        image_shape=(image_size, image_size, 3), state_dim=STATE_DIM, action_dim=ACTION_DIM,
+        max_episode_steps=max_episode_steps or SUITE_MAX_STEPS[suite_name])
+    self._seed = seed
+    self._episode = np.zeros(count, np.int64)
+    self.t = np.zeros(count, np.int32)
+    self.ep_return = np.zeros(count, np.float32)
+    self._last = [self._reset_one(i) for i in range(count)]
+
+  def init_state_index(self, i: int) -> int:
+    """Index of the init state of env ``i``'s next episode."""
+    k = int(self._episode[i])
+    return (self._seed + i + self.num_envs * k) % len(self._init_states)
+
+  def _reset_one(self, i: int) -> dict:
+    env = self._envs[i]
+    env.reset()
+    obs = env.set_init_state(self._init_states[self.init_state_index(i)])
+    for _ in range(self.settle_steps):
+      obs, _, _, _ = env.step(SETTLE_ACTION)
+    self._episode[i] += 1
+    return obs
+
+  @staticmethod
+  def _state(obs: dict) -> np.ndarray:
+    """``float32 [8]``: eef pos (3), eef axis-angle (3), gripper qpos (2)."""
+    return np.concatenate([np.asarray(obs["robot0_eef_pos"]),
+                           quat2axisangle(obs["robot0_eef_quat"]),
+                           np.asarray(obs["robot0_gripper_qpos"])]).astype(np.float32)
+
+  def observe(self) -> protocol.Observation:
+    images = np.stack([np.stack([np.asarray(o[c])[::-1, ::-1] for c in CAMERAS])
+                       for o in self._last]).astype(np.uint8)  # [B, 2, H, W, 3]
+    return protocol.Observation(
+        images=np.ascontiguousarray(images), state=np.stack([self._state(o) for o in self._last]),
+        instruction=np.array([self.instruction] * self.num_envs, dtype=object))
+
+  def reset(self, seed: int) -> protocol.Observation:
+    self._seed = seed
+    self._episode[:] = 0
+    self._last = [self._reset_one(i) for i in range(self.num_envs)]
+    self.t[:] = 0
+    self.ep_return[:] = 0
+    return self.observe()
+
+  def step_chunk(self, actions: np.ndarray) -> protocol.ChunkStep:
+    actions = np.clip(protocol.check_actions(actions, self.num_envs, self.spec.action_dim),
+                      -1.0, 1.0)
+    n = self.num_envs
+    limit = self.spec.max_episode_steps
+    reward, steps = np.zeros(n, np.float32), np.zeros(n, np.int32)
+    terminated, truncated, success = (np.zeros(n, bool) for _ in range(3))
+    episodes = []
+    for i, env in enumerate(self._envs):
+      for a in actions[i]:
+        obs, _, done, _ = env.step(a.astype(np.float64))
+        self._last[i] = obs
+        steps[i] += 1
+        self.t[i] += 1
+        if done:  # LIBERO's done is the task's success predicate
+          reward[i] += 1.0
+          success[i] = terminated[i] = True
+          break
+        if self.t[i] >= limit:
+          truncated[i] = True
+          break
+      self.ep_return[i] += reward[i]
+      if terminated[i] or truncated[i]:
+        episodes.append(protocol.EpisodeStats(
+            env_id=i, episode_return=float(self.ep_return[i]), length=int(self.t[i]),
+            success=bool(success[i]), truncated=bool(truncated[i])))
+        self._last[i] = self._reset_one(i)
+        self.t[i], self.ep_return[i] = 0, 0.0
+    return protocol.ChunkStep(obs=self.observe(), reward=reward, terminated=terminated,
+                              truncated=truncated, success=success, steps=steps,
+                              episodes=episodes)
+
+  def close(self) -> None:
+    for env in self._envs:
+      env.close()
+
+
+def make(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> LiberoEnv:
+  """Builds ``num_envs`` LIBERO instances in this process from the ``env`` sub-config."""
+  return LiberoEnv(config.task, num_envs, image_size=config.image_size,
+                   max_episode_steps=config.max_episode_steps,
+                   settle_steps=config.settle_steps, seed=seed)
