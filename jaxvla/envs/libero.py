@@ -28,7 +28,7 @@ import os
 import ml_collections
 import numpy as np
 
-from jaxvla.envs import protocol
+from jaxvla.envs import instances, protocol
 
 # Time limits in env steps used in the literature (openpi / RLinf), settle steps excluded.
 SUITE_MAX_STEPS = {
@@ -67,7 +67,7 @@ def quat2axisangle(quat: np.ndarray) -> np.ndarray:
   return quat[:3] * 2.0 * math.acos(quat[3]) / den
 
 
-class LiberoEnv:
+class LiberoEnv(instances.InstanceBatch):
   """``count`` instances of one LIBERO task (implements :class:`protocol.VecEnv`).
 
   Args:
@@ -112,10 +112,7 @@ class LiberoEnv:
         image_shape=(image_size, image_size, 3), state_dim=STATE_DIM, action_dim=ACTION_DIM,
         max_episode_steps=max_episode_steps or SUITE_MAX_STEPS[suite_name])
     self._seed = seed
-    self._episode = np.zeros(count, np.int64)
-    self.t = np.zeros(count, np.int32)
-    self.ep_return = np.zeros(count, np.float32)
-    self._last = [self._reset_one(i) for i in range(count)]
+    self._reset_all()
 
   def init_state_index(self, i: int) -> int:
     """Index of the init state of env ``i``'s next episode."""
@@ -128,8 +125,12 @@ class LiberoEnv:
     obs = env.set_init_state(self._init_states[self.init_state_index(i)])
     for _ in range(self.settle_steps):
       obs, _, _, _ = env.step(SETTLE_ACTION)
-    self._episode[i] += 1
     return obs
+
+  def _step_one(self, i: int, action: np.ndarray):
+    obs, _, done, _ = self._envs[i].step(action.astype(np.float64))
+    # LIBERO's done is the task's success predicate: reward 1 and terminated.
+    return obs, float(done), bool(done), self.t[i] >= self.spec.max_episode_steps, bool(done)
 
   @staticmethod
   def _state(obs: dict) -> np.ndarray:
@@ -144,50 +145,6 @@ class LiberoEnv:
     return protocol.Observation(
         images=np.ascontiguousarray(images), state=np.stack([self._state(o) for o in self._last]),
         instruction=np.array([self.instruction] * self.num_envs, dtype=object))
-
-  def reset(self, seed: int) -> protocol.Observation:
-    self._seed = seed
-    self._episode[:] = 0
-    self._last = [self._reset_one(i) for i in range(self.num_envs)]
-    self.t[:] = 0
-    self.ep_return[:] = 0
-    return self.observe()
-
-  def step_chunk(self, actions: np.ndarray) -> protocol.ChunkStep:
-    actions = np.clip(protocol.check_actions(actions, self.num_envs, self.spec.action_dim),
-                      -1.0, 1.0)
-    n = self.num_envs
-    limit = self.spec.max_episode_steps
-    reward, steps = np.zeros(n, np.float32), np.zeros(n, np.int32)
-    terminated, truncated, success = (np.zeros(n, bool) for _ in range(3))
-    episodes = []
-    for i, env in enumerate(self._envs):
-      for a in actions[i]:
-        obs, _, done, _ = env.step(a.astype(np.float64))
-        self._last[i] = obs
-        steps[i] += 1
-        self.t[i] += 1
-        if done:  # LIBERO's done is the task's success predicate
-          reward[i] += 1.0
-          success[i] = terminated[i] = True
-          break
-        if self.t[i] >= limit:
-          truncated[i] = True
-          break
-      self.ep_return[i] += reward[i]
-      if terminated[i] or truncated[i]:
-        episodes.append(protocol.EpisodeStats(
-            env_id=i, episode_return=float(self.ep_return[i]), length=int(self.t[i]),
-            success=bool(success[i]), truncated=bool(truncated[i])))
-        self._last[i] = self._reset_one(i)
-        self.t[i], self.ep_return[i] = 0, 0.0
-    return protocol.ChunkStep(obs=self.observe(), reward=reward, terminated=terminated,
-                              truncated=truncated, success=success, steps=steps,
-                              episodes=episodes)
-
-  def close(self) -> None:
-    for env in self._envs:
-      env.close()
 
 
 def make(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> LiberoEnv:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
-from jaxvla.envs import protocol
+from jaxvla.envs import instances, protocol
 
 # Instructions for the tasks that run offline (no asset download).
 INSTRUCTIONS = {
@@ -41,7 +41,7 @@ def _np(x) -> np.ndarray:
   return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
 
 
-class ManiSkillCPU:
+class ManiSkillCPU(instances.InstanceBatch):
   """``count`` ManiSkill3 CPU envs (implements :class:`protocol.VecEnv`).
 
   Args:
@@ -81,8 +81,7 @@ class ManiSkillCPU:
     space = self._envs[0].action_space
     self._low, self._high = space.low.reshape(-1), space.high.reshape(-1)
     self._seed = seed
-    self._episode = np.zeros(count, np.int64)
-    self._last = [self._reset_one(i) for i in range(count)]
+    self._reset_all()
     first = self._last[0]
     cams = tuple(sorted(first["sensor_data"])) if obs_mode == "rgb" else ("none",)
     shape = (image_size, image_size, 3) if obs_mode == "rgb" else (1, 1, 3)
@@ -90,13 +89,19 @@ class ManiSkillCPU:
                                  state_dim=self._state(first).shape[0],
                                  action_dim=self._low.shape[0],
                                  max_episode_steps=max_episode_steps)
-    self.t = np.zeros(count, np.int32)
-    self.ep_return = np.zeros(count, np.float32)
 
   def _reset_one(self, i: int) -> dict:
     obs, _ = self._envs[i].reset(seed=int(self._seed + i + self.num_envs * self._episode[i]))
-    self._episode[i] += 1
     return obs
+
+  def _map_actions(self, actions: np.ndarray) -> np.ndarray:
+    return self._low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (self._high - self._low)
+
+  def _step_one(self, i: int, action: np.ndarray):
+    obs, r, term, trunc, info = self._envs[i].step(action[None])
+    first = lambda x: _np(x).reshape(-1)[0]
+    return (obs, float(first(r)), bool(first(term)), bool(first(trunc)),
+            bool(first(info["success"])))
 
   @staticmethod
   def _state(obs) -> np.ndarray:
@@ -116,49 +121,6 @@ class ManiSkillCPU:
     return protocol.Observation(
         images=images, state=np.stack([self._state(o) for o in self._last]),
         instruction=np.array([INSTRUCTIONS[self.task_name]] * self.num_envs, dtype=object))
-
-  def reset(self, seed: int) -> protocol.Observation:
-    self._seed = seed
-    self._episode[:] = 0
-    self._last = [self._reset_one(i) for i in range(self.num_envs)]
-    self.t[:] = 0
-    self.ep_return[:] = 0
-    return self.observe()
-
-  def step_chunk(self, actions: np.ndarray) -> protocol.ChunkStep:
-    actions = protocol.check_actions(actions, self.num_envs, self.spec.action_dim)
-    scaled = self._low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (self._high - self._low)
-    n = self.num_envs
-    reward, steps = np.zeros(n, np.float32), np.zeros(n, np.int32)
-    terminated, truncated, success = (np.zeros(n, bool) for _ in range(3))
-    episodes = []
-    for i, env in enumerate(self._envs):
-      for a in scaled[i]:
-        obs, r, term, trunc, info = env.step(a[None])
-        self._last[i] = obs
-        reward[i] += float(_np(r).reshape(-1)[0])
-        steps[i] += 1
-        self.t[i] += 1
-        success[i] = bool(_np(info["success"]).reshape(-1)[0])
-        terminated[i] = bool(_np(term).reshape(-1)[0])
-        truncated[i] = bool(_np(trunc).reshape(-1)[0]) and not terminated[i]
-        if terminated[i] or truncated[i]:
-          break
-      self.ep_return[i] += reward[i]
-      if terminated[i] or truncated[i]:
-        episodes.append(protocol.EpisodeStats(
-            env_id=i, episode_return=float(self.ep_return[i]), length=int(self.t[i]),
-            success=bool(success[i]), truncated=bool(truncated[i])))
-        self._last[i] = self._reset_one(i)
-        self.t[i], self.ep_return[i] = 0, 0.0
-    success &= terminated | truncated
-    return protocol.ChunkStep(obs=self.observe(), reward=reward, terminated=terminated,
-                              truncated=truncated, success=success, steps=steps,
-                              episodes=episodes)
-
-  def close(self) -> None:
-    for env in self._envs:
-      env.close()
 
 
 def make(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> ManiSkillCPU:
