@@ -100,11 +100,12 @@ def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
 def _initial_state(config, s: Setup, rng) -> tuple[learner_lib.TrainState, RunState]:
   """Restores the latest checkpoint (``config.resume``) or warm-starts a fresh policy."""
   init_key, bc_key, ppo_key, eval_key = jax.random.split(rng, 4)
-  params = s.policy.init(init_key)
-  fresh = learner_lib.init_state(params, s.learner.ppo_tx, ppo_key)
   step = s.checkpointer.latest_step()
   if config.resume and step is not None:
-    state, meta = s.checkpointer.restore(step, checkpoint_lib.abstract_like(fresh))
+    # The restore target's structure, computed abstractly (nothing is allocated).
+    abstract = jax.eval_shape(lambda: learner_lib.init_state(
+        s.policy.init(init_key), s.learner.ppo_tx, ppo_key))
+    state, meta = s.checkpointer.restore(step, abstract)
     log.info("resumed from checkpoint %d (env_steps=%d)", step, meta["env_steps"])
     return state, RunState(**meta)
   if step is not None:
@@ -112,7 +113,7 @@ def _initial_state(config, s: Setup, rng) -> tuple[learner_lib.TrainState, RunSt
         f"the workdir already holds checkpoint {step}; pass --config.resume=True to "
         "continue it or choose another --workdir")
   t0 = time.perf_counter()
-  params, bc_metrics = warm_start(config, s, params, bc_key)
+  params, bc_metrics = warm_start(config, s, s.policy.init(init_key), bc_key)
   run = RunState(bc_wall_s=time.perf_counter() - t0)
   run.warm_start_eval = _evaluate(config, s, params, eval_key)
   run.warm_start_success_rate = run.warm_start_eval["success_rate"]
