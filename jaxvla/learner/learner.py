@@ -109,7 +109,7 @@ class Learner:
       params, opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
       if cfg.target_kl > 0:
         stop = stop | (metrics["approx_kl"] > cfg.target_kl)
-      metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
+      metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
                      skipped=stop.astype(jnp.float32))
       return (params, opt_state, stop), metrics
 
