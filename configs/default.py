@@ -41,14 +41,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.latency_sigma = 1.0  # Log-normal shape of that latency (long tail when large).
 
   c.model = ml_collections.ConfigDict()
-  c.model.name = "flow_vla"  # Policy family: 'flow_vla' (pi0-shaped flow matching).
-  c.model.variant = "tiny"  # Size: 'tiny' (CPU tests) or 'small'.
-  c.model.patch_size = 8  # ViT patch side in pixels.
-  c.model.posemb = "sincos2d"  # ViT position embedding: 'sincos2d' (fixed) or 'learn'.
-  c.model.mlp_ratio = 4  # MLP hidden size as a multiple of the width.
+  c.model.name = "pi0"  # Policy family: 'pi0', 'pi05' (flow matching) or 'action_token_vla'.
+  c.model.variant = "tiny"  # Size: 'tiny' (CPU tests), 'small' or 'full' (openpi's ~3.3B).
+  c.model.dtype = "float32"  # Compute dtype ('bfloat16' on accelerators); params stay float32.
+  c.model.remat = False  # Recompute layer activations in the backward pass (saves memory).
+  c.model.image_size = 0  # Side the ViT sees; images are resized to it (0: the env's size).
+  c.model.posemb = "sincos2d"  # ViT position embedding: 'learn' (openpi's) or 'sincos2d' (fixed).
+  c.model.action_dim = 0  # Network action size, >= the env's (0: the env's; openpi: 32).
+  c.model.state_dim = 0  # Network state size, >= the env's (0: the env's; openpi: 32).
+  c.model.vocab_size = 0  # Embedding rows, >= the tokenizer's (0: the tokenizer's; full: 257152).
+  c.model.value_source = "prefix"  # Value head input: 'prefix' tokens or pi0's 'expert' state token.
   c.model.value_hidden = 64  # Hidden units of the value head.
-  c.model.tokenizer = "builtin"  # Instruction tokenizer.
-  c.model.max_token_len = 12  # Instruction length in tokens (with <bos>); longer is an error.
+  c.model.tokenizer = "builtin"  # Instruction tokenizer: 'builtin' (words) or 'paligemma'.
+  c.model.tokenizer_path = ""  # 'paligemma': path of paligemma_tokenizer.model (no download here).
+  c.model.max_token_len = 12  # Prompt length in tokens (with <bos>); longer is an error.
+  c.model.discrete_state_input = True  # pi05 only: write the discretised state into the prompt.
   c.model.chunk_len = 5  # Actions per chunk H (one RL step executes a chunk).
   c.model.num_denoise_steps = 4  # Denoise steps K of the sampler.
   c.model.train_sampler = "flow_sde"  # Stochastic sampler for RL: 'flow_sde' or 'flow_noise'.
@@ -56,6 +63,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.noise_level = 0.5  # flow_sde noise scale a in sigma_t = a sqrt(t / (1 - t)).
   c.model.noise_std_min = 0.05  # flow_noise: lower bound of the learned std.
   c.model.noise_std_max = 0.5  # flow_noise: upper bound of the learned std.
+  c.model.num_bins = 256  # action_token_vla: bins per action dimension (tokens per bin).
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1  # Learner mesh: data-parallel axis size.
+  c.mesh.fsdp = -1  # Learner mesh: FSDP axis size (-1: every device data and tensor leave).
+  c.mesh.tensor = 1  # Learner mesh: tensor-parallel axis size (heads / MLP hidden).
+  c.mesh.rules = (  # Logical axis -> mesh axes (model code names logical axes only).
+      ("batch", ("data", "fsdp")),
+      ("embed", "fsdp"),
+      ("vocab", "tensor"),
+      ("mlp", "tensor"),
+      ("heads", "tensor"),
+      ("kv_heads", None),
+      ("head_dim", None),
+      ("layers", None),
+      ("action", None),
+      ("patch", None),
+      ("channels", None),
+  )
 
   c.bc = ml_collections.ConfigDict()
   c.bc.num_episodes = 3000  # Scripted-expert episodes collected for the warm start.

@@ -28,7 +28,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.image_size = 64  # Camera width and height (rgb).
   c.env.max_episode_steps = 50  # Time limit in env steps.
   c.env.reward_mode = "sparse"  # ManiSkill reward mode; 'sparse' is 1 on success.
-  c.model.patch_size = 1 if variant == "state" else 8  # ViT patch (state mode: 1x1 placeholder).
+  c.model.image_size = 8 if variant == "state" else 0  # state: the 1x1 placeholder image -> one 8 px patch.
   c.model.chunk_len = 5  # Actions per chunk (ManiSkill default in the literature).
   c.bc.num_steps = 0  # No scripted expert for ManiSkill tasks.
   c.ppo.num_minibatches = 2  # Minibatches per pass (num_envs * rollout_len = 32 chunks).

@@ -52,7 +52,7 @@ def test_export_loads_without_optimizer(tmp_path, smoke_config):
   params, cfg = checkpoint_lib.load_policy_params(str(tmp_path / "export"),
                                                   pol.abstract_params())
   _tree_equal(params, state.params)
-  assert cfg["model"]["name"] == "flow_vla"
+  assert cfg["model"]["name"] == "pi0"
   raw, _ = checkpoint_lib.load_policy_params(str(tmp_path / "export"))  # no target needed
   assert len(jax.tree.leaves(raw)) == len(jax.tree.leaves(state.params))
 

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from jaxvla.envs import builtin
-from jaxvla.models import denoise, policy as policy_lib
+from jaxvla.models import denoise, pi0, policy as policy_lib
 
 K = 4
 
@@ -69,23 +69,26 @@ def test_ode_has_no_log_prob():
                            num_steps=K, mode="ode", noise_level=0.5)
 
 
-@pytest.mark.parametrize("sampler", ["flow_sde", "flow_noise"])
-def test_policy_log_prob_matches_scipy(smoke_config, sampler):
+@pytest.mark.parametrize("name,sampler", [("pi0", "flow_sde"), ("pi0", "flow_noise"),
+                                          ("pi05", "flow_sde"), ("pi05", "flow_noise")])
+def test_policy_log_prob_matches_scipy(smoke_config, name, sampler):
   """The real network: its act() log-prob equals scipy's density of the stored chain."""
+  smoke_config.model.name = name
   smoke_config.model.train_sampler = sampler
   env = builtin.make(smoke_config.env, 3, 0)
   pol = policy_lib.make_policy(smoke_config.model, env.spec)
   params = pol.init(jax.random.PRNGKey(0))
   batch = pol.prepare(env.observe())
   out = pol.act(params, batch, jax.random.PRNGKey(1), "train")
-  model = pol._model(params)
-  prefix = model.encode_prefix(batch["images"], batch["tokens"], batch["token_mask"])
+  prefix = pi0.encode_prefix(pol.net, params, batch["images"], batch["tokens"],
+                            batch["token_mask"])
   chain = np.asarray(out.chain, np.float64)
   ts = np.linspace(1.0, 0.0, pol.num_steps + 1)
   ref = np.zeros(3)
   for k in range(pol.num_steps):
     t, dt = ts[k], ts[k + 1] - ts[k]
-    v, lstd = model.velocity(prefix, batch["state"], out.chain[:, k], jnp.full((3,), t))
+    v, lstd = pi0.velocity(pol.net, params, prefix, batch["state"], out.chain[:, k],
+                           jnp.full((3,), t))
     v, lstd, x = np.asarray(v, np.float64), np.asarray(lstd, np.float64), chain[:, k]
     if sampler == "flow_noise":
       mean, std = x + v * dt, lstd

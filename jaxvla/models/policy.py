@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxvla.envs import protocol
-from jaxvla.models import denoise, flow_vla, tokenizer as tokenizer_lib
+from jaxvla.models import denoise, layers, pi0, tokenizer as tokenizer_lib
 
 Params = dict
 
@@ -34,21 +34,26 @@ class ActOutput:
   """What :meth:`Policy.act` returns.
 
   Attributes:
-    actions: ``[B, H, A]`` the chunk to execute.
-    chain: ``[B, K + 1, H, A]`` the sampler chain (``K = 0`` policies store ``[B, 1, H, A]``).
+    actions: ``[B, H, A]`` the chunk to execute (the env's action dims).
+    chain: ``[B, K + 1, H, A_net]`` the sampler chain (flow policies: every denoise
+      state, noise first; action-token policies: ``[B, 1, H, A]`` bin indices).
     log_prob: ``[B]`` log-probability of the chain (zeros in deterministic mode).
+    log_prob_dims: ``[B, H, A_net]`` the same per action dimension (summed over
+      denoise steps; zero on padded dims), so ``log_prob = log_prob_dims.sum((1, 2))``.
     value: ``[B]`` state value.
   """
   actions: jax.Array
   chain: jax.Array
   log_prob: jax.Array
+  log_prob_dims: jax.Array
   value: jax.Array
 
 
 @struct.dataclass
 class Evaluation:
-  """Log-prob ``[B]``, value ``[B]`` and entropy ``[B]`` of stored chains."""
+  """Log-prob ``[B]`` (and per dimension ``[B, H, A_net]``), value ``[B]`` and entropy ``[B]``."""
   log_prob: jax.Array
+  log_prob_dims: jax.Array
   value: jax.Array
   entropy: jax.Array
 
@@ -58,6 +63,8 @@ class Policy(Protocol):
   action_dim: int
 
   def init(self, rng: jax.Array) -> Params: ...
+  def abstract_params(self) -> Params: ...
+  def logical_axes(self) -> dict: ...
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]: ...
   def act(self, params: Params, batch: dict, rng: jax.Array, mode: str) -> ActOutput: ...
   def evaluate(self, params: Params, batch: dict, chain: jax.Array) -> Evaluation: ...
@@ -66,7 +73,12 @@ class Policy(Protocol):
 
 
 class FlowPolicy:
-  """pi0-shaped flow-matching VLA with a stochastic sampler for RL.
+  """pi0 / pi0.5 flow-matching VLA (``config.name``) with a stochastic sampler for RL.
+
+  The network's action and state sizes may exceed the env's (openpi pads both to
+  32): states are zero-padded, the first ``spec.action_dim`` action dims are
+  executed, and chunk log-probs count those dims only (the padded dims are
+  sampled too, but they act on nothing).
 
   Args:
     config: the ``model`` sub-config.
@@ -74,92 +86,119 @@ class FlowPolicy:
   """
 
   def __init__(self, config: ml_collections.ConfigDict, spec: protocol.EnvSpec):
-    self.tokenizer = tokenizer_lib.make_tokenizer(config.tokenizer, config.max_token_len)
+    self.tokenizer = tokenizer_lib.make_tokenizer(config.tokenizer, config.max_token_len,
+                                                  config.tokenizer_path)
     h, w, _ = spec.image_shape
     if h != w:
       raise ValueError(f"the flow VLA expects square images, got {spec.image_shape}")
-    self.net_config = flow_vla.FlowVLAConfig.from_config(
+    self.net = pi0.Pi0Config.from_config(
         config, image_size=h, num_cameras=len(spec.camera_names), state_dim=spec.state_dim,
         action_dim=spec.action_dim, vocab_size=self.tokenizer.vocab_size)
     denoise.check_mode(config.train_sampler, needs_log_prob=True)
     denoise.check_mode(config.eval_sampler, needs_log_prob=False)
     self.chunk_len = config.chunk_len
     self.action_dim = spec.action_dim
+    self.state_dim = spec.state_dim
+    self.discrete_state = self.net.pi05 and config.discrete_state_input
     self.num_steps = config.num_denoise_steps
     self.noise_level = config.noise_level
     self.train_sampler = config.train_sampler
     self.eval_sampler = config.eval_sampler
-    abstract = nnx.eval_shape(lambda: flow_vla.FlowVLA(self.net_config, rngs=nnx.Rngs(0)))
-    self._graphdef, _ = nnx.split(abstract)
 
   # ---------------------------------------------------------------- helpers --
+  def build(self, rng: jax.Array | int = 0):
+    """The parameter tree as NNX nodes (with logical-axis metadata)."""
+    return pi0.build(self.net, nnx.Rngs(params=rng))
+
   def init(self, rng: jax.Array) -> Params:
     """Fresh parameters (a pure nested dict)."""
-    model = flow_vla.FlowVLA(self.net_config, rngs=nnx.Rngs(params=rng))
-    return nnx.to_pure_dict(nnx.state(model))
+    return nnx.to_pure_dict(nnx.state(self.build(rng), nnx.Param))
 
   def abstract_params(self) -> Params:
     """Shapes and dtypes of the parameters, without allocating them."""
     return jax.eval_shape(self.init, jax.random.key(0))
 
-  def _model(self, params: Params) -> flow_vla.FlowVLA:
-    return nnx.merge(self._graphdef, params)
+  def logical_axes(self) -> dict:
+    """Logical axis names of every parameter (same tree as :meth:`init`)."""
+    return layers.logical_axes(nnx.eval_shape(lambda: self.build(0)))
 
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]:
-    """Observation -> ``images [B, N, H, W, 3]``, ``state [B, S]``, ``tokens/token_mask [B, L]``."""
-    tokens, token_mask = self.tokenizer.encode(obs.instruction)
-    return dict(images=obs.images, state=obs.state.astype(np.float32), tokens=tokens,
+    """Observation -> ``images [B, N, H, W, 3]``, ``state [B, S]``, ``tokens/token_mask [B, L]``.
+
+    pi0.5 with ``discrete_state_input`` writes the state into the prompt (its
+    256-bin discretisation of [-1, 1]); the state array is passed along anyway.
+    """
+    state = obs.state.astype(np.float32)
+    if state.shape[-1] != self.state_dim:
+      raise ValueError(f"observation state has {state.shape[-1]} dims, the env spec "
+                       f"{self.state_dim}")
+    tokens, token_mask = self.tokenizer.encode(
+        obs.instruction, state=state if self.discrete_state else None)
+    pad = self.net.state_dim - state.shape[-1]
+    return dict(images=obs.images, state=np.pad(state, ((0, 0), (0, pad))), tokens=tokens,
                 token_mask=token_mask)
 
-  def _velocity_fn(self, model, prefix, state):
-    return lambda x, t: model.velocity(prefix, state, x, t)
+  def _prefix(self, params: Params, batch: dict) -> pi0.Prefix:
+    return pi0.encode_prefix(self.net, params, batch["images"], batch["tokens"],
+                             batch["token_mask"])
+
+  def _velocity_fn(self, params, prefix, state):
+    return lambda x, t: pi0.velocity(self.net, params, prefix, state, x, t)
+
+  def _dim_mask(self) -> jax.Array:
+    """``[A_net]``: 1 for the env's action dims, 0 for padding."""
+    return (jnp.arange(self.net.action_dim) < self.action_dim).astype(jnp.float32)
 
   # --------------------------------------------------------------- contract --
   def act(self, params: Params, batch: dict, rng: jax.Array, mode: str) -> ActOutput:
     """Samples a chunk. ``mode``: a sampler name, or 'train'/'eval' for the configured one."""
     mode = {"train": self.train_sampler, "eval": self.eval_sampler}.get(mode, mode)
-    model = self._model(params)
-    prefix = model.encode_prefix(batch["images"], batch["tokens"], batch["token_mask"])
+    prefix = self._prefix(params, batch)
     b = batch["state"].shape[0]
     noise_key, sample_key = jax.random.split(rng)
-    noise = jax.random.normal(noise_key, (b, self.chunk_len, self.action_dim))
+    noise = jax.random.normal(noise_key, (b, self.chunk_len, self.net.action_dim))
     chain, logp = denoise.sample_chain(
-        self._velocity_fn(model, prefix, batch["state"]), noise, sample_key,
+        self._velocity_fn(params, prefix, batch["state"]), noise, sample_key,
         num_steps=self.num_steps, mode=mode, noise_level=self.noise_level)
-    return ActOutput(actions=chain[:, -1], chain=chain, log_prob=logp.sum((1, 2)),
-                     value=model.value(prefix))
+    logp = logp * self._dim_mask()
+    return ActOutput(actions=chain[:, -1, :, :self.action_dim], chain=chain,
+                     log_prob=logp.sum((1, 2)), log_prob_dims=logp,
+                     value=pi0.value(self.net, params, prefix, batch["state"]))
 
   def evaluate(self, params: Params, batch: dict, chain: jax.Array) -> Evaluation:
-    """Log-prob ``[B]`` of stored chains ``[B, K + 1, H, A]`` under ``params``."""
-    model = self._model(params)
-    prefix = model.encode_prefix(batch["images"], batch["tokens"], batch["token_mask"])
+    """Log-prob ``[B]`` of stored chains ``[B, K + 1, H, A_net]`` under ``params``."""
+    prefix = self._prefix(params, batch)
     logp, stds = denoise.chain_log_prob(
-        self._velocity_fn(model, prefix, batch["state"]), chain, num_steps=self.num_steps,
+        self._velocity_fn(params, prefix, batch["state"]), chain, num_steps=self.num_steps,
         mode=self.train_sampler, noise_level=self.noise_level)
-    # Entropy of the Gaussian transitions, summed over dims, averaged over steps.
-    entropy = (jnp.log(stds) + 0.5 * jnp.log(2 * jnp.pi * jnp.e)).sum((2, 3)).mean(1)
-    return Evaluation(log_prob=logp.sum((1, 2)), value=model.value(prefix), entropy=entropy)
+    mask = self._dim_mask()
+    logp = logp * mask
+    # Entropy of the Gaussian transitions, summed over executed dims, averaged over steps.
+    entropy = ((jnp.log(stds) + 0.5 * jnp.log(2 * jnp.pi * jnp.e)) * mask).sum((2, 3)).mean(1)
+    return Evaluation(log_prob=logp.sum((1, 2)), log_prob_dims=logp,
+                      value=pi0.value(self.net, params, prefix, batch["state"]),
+                      entropy=entropy)
 
   def value(self, params: Params, batch: dict) -> jax.Array:
-    model = self._model(params)
-    return model.value(model.encode_prefix(batch["images"], batch["tokens"],
-                                           batch["token_mask"]))
+    return pi0.value(self.net, params, self._prefix(params, batch), batch["state"])
 
   def bc_loss(self, params: Params, batch: dict, actions: jax.Array,
               rng: jax.Array) -> jax.Array:
-    """Flow-matching loss on expert chunks ``actions`` ``[B, H, A]`` (a scalar)."""
-    model = self._model(params)
-    prefix = model.encode_prefix(batch["images"], batch["tokens"], batch["token_mask"])
+    """Flow-matching loss on expert chunks ``actions`` ``[B, H, A_env]`` (a scalar)."""
+    prefix = self._prefix(params, batch)
+    pad = self.net.action_dim - actions.shape[-1]
+    actions = jnp.pad(actions, ((0, 0), (0, 0), (0, pad)))
     noise_key, time_key = jax.random.split(rng)
     noise = jax.random.normal(noise_key, actions.shape)
     # pi0's time distribution: Beta(1.5, 1) skewed towards noisy times.
     t = jax.random.beta(time_key, 1.5, 1.0, (actions.shape[0],)) * 0.999 + 0.001
     x_t = t[:, None, None] * noise + (1.0 - t[:, None, None]) * actions
-    v, _ = model.velocity(prefix, batch["state"], x_t, t)
-    return jnp.mean(jnp.square(v - (noise - actions)))
+    v, _ = pi0.velocity(self.net, params, prefix, batch["state"], x_t, t)
+    err = jnp.square(v - (noise - actions)) * self._dim_mask()
+    return err.sum() / (err.shape[0] * err.shape[1] * self.action_dim)
 
 
-_POLICIES = {"flow_vla": FlowPolicy}
+_POLICIES = {"pi0": FlowPolicy, "pi05": FlowPolicy}
 
 
 def make_policy(config: ml_collections.ConfigDict, spec: protocol.EnvSpec) -> Policy:

@@ -1,0 +1,262 @@
+"""pi0 and pi0.5 flow-matching VLAs with openpi's parameter tree.
+
+Shape (openpi's ``Pi0``): a SigLIP ViT turns each camera image into tokens, the
+PaliGemma decoder (expert 0) runs bidirectionally over ``[image tokens, language
+tokens]`` (pi0.5: the language tokens include the discretised state), and the
+action expert (expert 1) runs over the suffix and attends to the prefix through
+the prefix's key/value cache, so the prefix is computed once per observation.
+
+* pi0: suffix ``[state token, H action tokens]``; the flow time enters through
+  ``action_time_mlp_{in,out}`` (``concat(action, sincos(t))``).
+* pi0.5: suffix ``[H action tokens]``; the time goes through ``time_mlp_{in,out}``
+  into adaptive RMSNorm (scale, shift, residual gate) in every expert layer.
+
+The top-level keys are openpi's (``PaliGemma``, ``action_in_proj``, ...); the RL
+additions — the value head and the ``flow_noise`` std head — live under ``rl/``
+and are not part of an openpi checkpoint. Variants: ``tiny`` (CPU tests),
+``small``, ``full`` (Gemma 2B + Gemma 300M + So400m/14, openpi's sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx, struct
+
+from jaxvla.models import gemma, layers, siglip
+
+PALIGEMMA_VOCAB_SIZE = 257_152
+
+# llm (expert 0), action expert (expert 1), ViT; the tiny / small ViTs use patch 8.
+VARIANTS = {
+    "tiny": (gemma.GemmaConfig(64, 2, 256, 4, 1, 16), gemma.GemmaConfig(64, 2, 256, 4, 1, 16),
+             siglip.SiglipConfig(64, 1, 256, 4, 8)),
+    "small": (gemma.GemmaConfig(512, 4, 2048, 8, 1, 64), gemma.GemmaConfig(256, 4, 1024, 8, 1, 64),
+              siglip.SiglipConfig(256, 4, 1024, 4, 8)),
+    "full": (gemma.VARIANTS["gemma_2b"], gemma.VARIANTS["gemma_300m"],
+             siglip.VARIANTS["So400m/14"]),
+}
+VALUE_SOURCES = ("expert", "prefix")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pi0Config:
+  """Static structure of one pi0 / pi0.5 network (derived once from ``config.model``)."""
+  pi05: bool
+  llm: gemma.GemmaConfig
+  expert: gemma.GemmaConfig
+  vit: siglip.SiglipConfig
+  image_size: int
+  num_cameras: int
+  action_dim: int
+  state_dim: int
+  chunk_len: int
+  vocab_size: int
+  dtype: str
+  remat: bool
+  value_source: str
+  value_hidden: int
+  noise_std_min: float
+  noise_std_max: float
+
+  @classmethod
+  def from_config(cls, model: ml_collections.ConfigDict, *, image_size: int, num_cameras: int,
+                  state_dim: int, action_dim: int, vocab_size: int) -> "Pi0Config":
+    """Resolves ``config.model`` against the env's sizes (0 in the config = the env's)."""
+    if model.variant not in VARIANTS:
+      raise ValueError(f"config.model.variant={model.variant!r} is not one of {sorted(VARIANTS)}")
+    llm, expert, vit = VARIANTS[model.variant]
+    vit = dataclasses.replace(vit, posemb=model.posemb)
+    pi05 = model.name == "pi05"
+    if model.value_source not in VALUE_SOURCES:
+      raise ValueError(f"config.model.value_source={model.value_source!r} is not one of "
+                       f"{VALUE_SOURCES}")
+    if pi05 and model.value_source == "expert":
+      raise ValueError("config.model.value_source='expert' reads pi0's state token, which "
+                       "pi0.5 does not have; use 'prefix' for pi05")
+    dims = {}
+    for key, env_dim in (("action_dim", action_dim), ("state_dim", state_dim)):
+      dims[key] = model[key] or env_dim
+      if dims[key] < env_dim:
+        raise ValueError(f"config.model.{key}={model[key]} is smaller than the env's {env_dim}")
+    size = model.image_size or image_size
+    if model.variant == "full" and model.vocab_size != PALIGEMMA_VOCAB_SIZE:
+      raise ValueError(f"config.model.vocab_size must be {PALIGEMMA_VOCAB_SIZE} (PaliGemma's) "
+                       f"for the full variant, got {model.vocab_size}")
+    vocab = model.vocab_size or vocab_size
+    if vocab < vocab_size:
+      raise ValueError(f"config.model.vocab_size={vocab} is smaller than the tokenizer's "
+                       f"{vocab_size}")
+    if model.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"config.model.dtype={model.dtype!r} is not 'float32' or 'bfloat16'")
+    return cls(pi05=pi05, llm=llm, expert=expert, vit=vit, image_size=size,
+               num_cameras=num_cameras, action_dim=dims["action_dim"],
+               state_dim=dims["state_dim"], chunk_len=model.chunk_len, vocab_size=vocab,
+               dtype=model.dtype, remat=model.remat, value_source=model.value_source,
+               value_hidden=model.value_hidden, noise_std_min=model.noise_std_min,
+               noise_std_max=model.noise_std_max)
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+
+def build(cfg: Pi0Config, rngs: nnx.Rngs) -> layers.Node:
+  """The parameter tree (openpi's keys plus ``rl/``)."""
+  ew, a = cfg.expert.width, cfg.action_dim
+  children = dict(
+      PaliGemma=layers.Node(
+          img=siglip.build(cfg.vit, rngs, image_size=cfg.image_size, out_width=cfg.llm.width),
+          llm=gemma.build([cfg.llm, cfg.expert], rngs, vocab_size=cfg.vocab_size,
+                          adarms=[False, cfg.pi05])),
+      action_in_proj=layers.dense(rngs, a, ew, ("action", "embed")),
+      action_out_proj=layers.dense(rngs, ew, a, ("embed", "action")))
+  if cfg.pi05:
+    children["time_mlp_in"] = layers.dense(rngs, ew, ew, ("embed", "embed"))
+    children["time_mlp_out"] = layers.dense(rngs, ew, ew, ("embed", "embed"))
+  else:
+    children["state_proj"] = layers.dense(rngs, cfg.state_dim, ew, ("action", "embed"))
+    children["action_time_mlp_in"] = layers.dense(rngs, 2 * ew, ew, ("embed", "embed"))
+    children["action_time_mlp_out"] = layers.dense(rngs, ew, ew, ("embed", "embed"))
+  value_in = ew if cfg.value_source == "expert" else cfg.llm.width
+  children["rl"] = layers.Node(
+      value_hidden=layers.dense(rngs, value_in, cfg.value_hidden, ("embed", "mlp")),
+      value_out=layers.dense(rngs, cfg.value_hidden, 1, ("mlp", None)),
+      std_out=layers.dense(rngs, ew, a, ("embed", "action")))
+  return layers.Node(**children)
+
+
+@struct.dataclass
+class Prefix:
+  """The prefix pass: hidden ``[B, P, D0]``, mask ``bool [B, P]``, KV ``[L, B, P, K, H]``."""
+  hidden: jax.Array
+  mask: jax.Array
+  kv: gemma.KVCache
+
+
+def _images(cfg: Pi0Config, images: jax.Array) -> jax.Array:
+  """``uint8 [B, N, H, W, 3]`` -> ``float [B * N, S, S, 3]`` in [-1, 1] at the model's size."""
+  b, n, h, w, c = images.shape
+  x = images.reshape(b * n, h, w, c).astype(jnp.float32) / 127.5 - 1.0
+  if (h, w) != (cfg.image_size, cfg.image_size):
+    x = jax.image.resize(x, (b * n, cfg.image_size, cfg.image_size, c), "bilinear")
+  return x
+
+
+def embed_prefix(cfg: Pi0Config, p: dict, images: jax.Array, tokens: jax.Array,
+                 token_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Prefix tokens ``[B, P, D0]`` and mask ``[B, P]`` (image tokens, then language)."""
+  dtype = cfg.compute_dtype
+  b, n = images.shape[:2]
+  img = siglip.encode(cfg.vit, p["PaliGemma"]["img"], _images(cfg, images), dtype=dtype,
+                      remat=cfg.remat)
+  img = img.reshape(b, n * img.shape[1], img.shape[2])
+  text = gemma.embed(p["PaliGemma"]["llm"], tokens, dtype)
+  mask = jnp.concatenate([jnp.ones(img.shape[:2], bool), token_mask.astype(bool)], axis=1)
+  return jnp.concatenate([img, text], axis=1), mask
+
+
+def encode_prefix(cfg: Pi0Config, p: dict, images: jax.Array, tokens: jax.Array,
+                  token_mask: jax.Array) -> Prefix:
+  """Runs expert 0 over the prefix (bidirectional) and keeps its KV cache.
+
+  Args:
+    images: ``uint8 [B, N_cam, H, W, 3]``; tokens ``int32 [B, L]``; token_mask ``bool [B, L]``.
+  """
+  x, mask = embed_prefix(cfg, p, images, tokens, token_mask)
+  attn = mask[:, None, :] & mask[:, :, None]
+  (hidden, _), kv = gemma.forward([cfg.llm, cfg.expert], p["PaliGemma"]["llm"], [x, None],
+                                  positions=jnp.cumsum(mask, axis=1) - 1, mask=attn,
+                                  dtype=cfg.compute_dtype, remat=cfg.remat)
+  return Prefix(hidden=hidden, mask=mask, kv=kv)
+
+
+def embed_suffix(cfg: Pi0Config, p: dict, state: jax.Array, x_t: jax.Array, t: jax.Array):
+  """Suffix tokens ``[B, T_s, E]``, their ``ar_mask [T_s]`` and the adaRMS condition.
+
+  Args:
+    state: ``[B, state_dim]``; x_t: noisy chunk ``[B, H, A]``; t: flow time ``[B]``.
+  """
+  dtype = cfg.compute_dtype
+  ew = cfg.expert.width
+  act = layers.apply_dense(p["action_in_proj"], x_t.astype(jnp.float32))
+  time_emb = layers.posemb_sincos(t, ew)
+  horizon = x_t.shape[1]
+  if cfg.pi05:
+    cond = jax.nn.swish(layers.apply_dense(p["time_mlp_in"], time_emb))
+    cond = jax.nn.swish(layers.apply_dense(p["time_mlp_out"], cond))
+    ar = jnp.array([1] + [0] * (horizon - 1))
+    return act.astype(dtype), ar, cond
+  act = jnp.concatenate([act, jnp.broadcast_to(time_emb[:, None], act.shape)], axis=-1)
+  act = layers.apply_dense(p["action_time_mlp_out"],
+                           jax.nn.swish(layers.apply_dense(p["action_time_mlp_in"], act)))
+  state_tok = layers.apply_dense(p["state_proj"], state.astype(jnp.float32))[:, None]
+  ar = jnp.array([1, 1] + [0] * (horizon - 1))
+  return jnp.concatenate([state_tok, act], axis=1).astype(dtype), ar, None
+
+
+def _suffix_pass(cfg: Pi0Config, p: dict, prefix: Prefix, tokens: jax.Array, ar: jax.Array,
+                 cond: jax.Array | None) -> jax.Array:
+  """Expert 1 over suffix ``tokens [B, T_s, E]`` against the prefix cache; ``[B, T_s, E]``."""
+  b, ts = tokens.shape[:2]
+  suffix_mask = jnp.ones((b, ts), bool)
+  mask = jnp.concatenate([
+      jnp.broadcast_to(prefix.mask[:, None, :], (b, ts, prefix.mask.shape[1])),
+      layers.prefix_lm_mask(suffix_mask, ar)], axis=-1)
+  positions = prefix.mask.sum(-1)[:, None] + jnp.cumsum(suffix_mask, axis=1) - 1
+  (_, out), _ = gemma.forward([cfg.llm, cfg.expert], p["PaliGemma"]["llm"], [None, tokens],
+                              positions=positions, mask=mask, kv_cache=prefix.kv,
+                              adarms_cond=[None, cond], dtype=cfg.compute_dtype, remat=cfg.remat)
+  return out
+
+
+def _heads(cfg: Pi0Config, p: dict, out: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Velocity and bounded std ``[B, H, A]`` (float32) from action-token outputs."""
+  out = out.astype(jnp.float32)
+  unit = jax.nn.sigmoid(layers.apply_dense(p["rl"]["std_out"], out))
+  std = cfg.noise_std_min + (cfg.noise_std_max - cfg.noise_std_min) * unit
+  return layers.apply_dense(p["action_out_proj"], out), std
+
+
+def velocity(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array, x_t: jax.Array,
+             t: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One denoise step's network pass with the prefix cache: velocity and std ``[B, H, A]``."""
+  tokens, ar, cond = embed_suffix(cfg, p, state, x_t, t)
+  out = _suffix_pass(cfg, p, prefix, tokens, ar, cond)
+  return _heads(cfg, p, out[:, -x_t.shape[1]:])
+
+
+def velocity_uncached(cfg: Pi0Config, p: dict, images, tokens, token_mask, state, x_t, t):
+  """The same velocity from one joint pass over ``[prefix, suffix]`` (openpi's training path)."""
+  x, prefix_mask = embed_prefix(cfg, p, images, tokens, token_mask)
+  suffix, ar, cond = embed_suffix(cfg, p, state, x_t, t)
+  b, ts = suffix.shape[:2]
+  mask = jnp.concatenate([prefix_mask, jnp.ones((b, ts), bool)], axis=1)
+  ar_all = jnp.concatenate([jnp.zeros(prefix_mask.shape[1], ar.dtype), ar])
+  (_, out), _ = gemma.forward([cfg.llm, cfg.expert], p["PaliGemma"]["llm"], [x, suffix],
+                              positions=jnp.cumsum(mask, axis=1) - 1,
+                              mask=layers.prefix_lm_mask(mask, ar_all),
+                              adarms_cond=[None, cond], dtype=cfg.compute_dtype, remat=cfg.remat)
+  return _heads(cfg, p, out[:, -x_t.shape[1]:])
+
+
+def value(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.Array:
+  """State value ``[B]`` from the configured source.
+
+  'expert': the action expert's output at pi0's state token. That token attends
+  to the prefix and itself only, so it does not depend on the noisy actions or
+  the flow time and costs one extra token per observation. 'prefix': the masked
+  mean of the decoder's prefix outputs (pi0.5's choice).
+  """
+  if cfg.value_source == "expert":
+    tok = layers.apply_dense(p["state_proj"], state.astype(jnp.float32))[:, None]
+    pooled = _suffix_pass(cfg, p, prefix, tok.astype(cfg.compute_dtype), jnp.array([1]),
+                          None)[:, 0]
+  else:
+    m = prefix.mask[..., None].astype(jnp.float32)
+    pooled = (prefix.hidden.astype(jnp.float32) * m).sum(1) / jnp.maximum(m.sum(1), 1.0)
+  h = jax.nn.gelu(layers.apply_dense(p["rl"]["value_hidden"], pooled.astype(jnp.float32)))
+  return layers.apply_dense(p["rl"]["value_out"], h)[:, 0]
