@@ -38,6 +38,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.layout = "ring"  # 'ring': agent starts at the centre, targets around it; 'uniform'.
   c.env.ring_radius = (0.45, 0.85)  # 'ring': (min, max) distance of targets from the centre.
   c.env.latency_ms = 0.0  # Median simulated per-step latency (slept), 0 for none.
+  c.env.group_size = 1  # GRPO groups: envs i // G share each episode's init (1: no groups).
   c.env.latency_sigma = 1.0  # Log-normal shape of that latency (long tail when large).
 
   c.model = ml_collections.ConfigDict()
@@ -50,6 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.action_dim = 0  # Network action size, >= the env's (0: the env's; openpi: 32).
   c.model.state_dim = 0  # Network state size, >= the env's (0: the env's; openpi: 32).
   c.model.vocab_size = 0  # Embedding rows, >= the tokenizer's (0: the tokenizer's; full: 257152).
+  c.model.init_checkpoint = ""  # openpi params dir (<ckpt>/params) to start from ('': fresh init).
   c.model.value_source = "prefix"  # Value head input: 'prefix' tokens or pi0's 'expert' state token.
   c.model.value_hidden = 64  # Hidden units of the value head.
   c.model.tokenizer = "builtin"  # Instruction tokenizer: 'builtin' (words) or 'paligemma'.

@@ -5,7 +5,7 @@ metadata of ``<ckpt>/params`` without loading it, checking that it matches the
 model's parameters path by path, and restoring the arrays with orbax straight
 into the model's dtypes and shardings.
 
-The layout (``/work/shared/spec/openpi_params.json``, ``checkpoint_layout``): an
+The layout (as openpi's ``restore_params`` reads it): an
 orbax PyTree checkpoint whose tree is ``{'params': <nested pure dict>}``.
 Released checkpoints are pure dicts; checkpoints written by openpi training
 (an ``nnx.State``) end every path in ``'/value'``, which is stripped when *all*
@@ -297,3 +297,29 @@ def load_openpi_params(path: str, target: Mapping[str, Any], *,
   flat_restored = flatten(restored)
   params = {p: flat_restored[SEP.join(disk_keys[p])] for p in load}
   return unflatten(params), skipped
+
+
+def init_params(policy, rng: jax.Array, checkpoint: str = "", shardings=None) -> dict:
+  """A policy's parameters: fresh, or openpi's weights with fresh RL-only heads.
+
+  Args:
+    policy: the policy (``abstract_params()`` and ``init(rng)``).
+    rng: key of the fresh initialisation.
+    checkpoint: an openpi ``.../params`` directory; empty for a fresh policy.
+    shardings: optional tree (like the params) of target shardings.
+
+  The fresh RL heads (``rl/``) come from ``policy.init`` jitted to return only
+  them, so XLA drops the rest of the initialisation: a full model is never
+  initialised just to be overwritten.
+  """
+  init = jax.jit(policy.init, out_shardings=shardings)
+  if not checkpoint:
+    return init(rng)
+  target = policy.abstract_params()
+  if shardings is not None:
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          target, shardings)
+  loaded, _ = load_openpi_params(checkpoint, target, skip_prefixes=("rl",))
+  fresh_shardings = None if shardings is None else {"rl": shardings["rl"]}
+  fresh = jax.jit(lambda k: {"rl": policy.init(k)["rl"]}, out_shardings=fresh_shardings)(rng)
+  return dict(loaded, **fresh)
