@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxvla.envs import protocol
-from jaxvla.models import denoise, layers, pi0, tokenizer as tokenizer_lib
+from jaxvla.models import action_token_vla, denoise, layers, pi0, tokenizer as tokenizer_lib
 
 Params = dict
 
@@ -198,7 +198,11 @@ class FlowPolicy:
     return err.sum() / (err.shape[0] * err.shape[1] * self.action_dim)
 
 
-_POLICIES = {"pi0": FlowPolicy, "pi05": FlowPolicy}
+_POLICIES = {
+    "pi0": FlowPolicy, "pi05": FlowPolicy,
+    # Looked up at call time: action_token_vla imports this module (ActOutput, Evaluation).
+    "action_token_vla": lambda config, spec: action_token_vla.ActionTokenPolicy(config, spec),
+}
 
 
 def make_policy(config: ml_collections.ConfigDict, spec: protocol.EnvSpec) -> Policy:
