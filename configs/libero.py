@@ -30,6 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.image_size = 64  # Camera width and height (agentview and wrist).
   c.env.max_episode_steps = libero_env.SUITE_MAX_STEPS[suite]  # Time limit; 0: suite's.
   c.env.settle_steps = 10  # Uncounted no-op steps after each reset (objects settle).
+  c.env.group_size = 1  # GRPO groups: envs i // G share each episode's init (1: no groups).
   c.model.chunk_len = 10  # Actions per chunk (LIBERO default in the literature).
   c.model.max_token_len = 32  # Instruction tokens with <bos> (longest LIBERO one: 20).
   c.bc.num_steps = 0  # No scripted expert for LIBERO tasks.

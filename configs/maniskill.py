@@ -28,6 +28,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.image_size = 64  # Camera width and height (rgb).
   c.env.max_episode_steps = 50  # Time limit in env steps.
   c.env.reward_mode = "sparse"  # ManiSkill reward mode; 'sparse' is 1 on success.
+  c.env.group_size = 1  # GRPO groups: envs i // G share each episode's init (1: no groups).
   c.model.image_size = 8 if variant == "state" else 0  # state: the 1x1 placeholder image -> one 8 px patch.
   c.model.chunk_len = 5  # Actions per chunk (ManiSkill default in the literature).
   c.bc.num_steps = 0  # No scripted expert for ManiSkill tasks.

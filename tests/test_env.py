@@ -1,11 +1,14 @@
-"""The built-in ColorReach env: shapes, the expert, language grounding, failures, latency."""
+"""The built-in ColorReach env: shapes, the expert, language grounding, failures, latency,
+GRPO group resets."""
 
 import time
 
+import ml_collections
 import numpy as np
 import pytest
 
-from jaxvla.envs import builtin
+from configs import default
+from jaxvla.envs import builtin, make_env, protocol
 
 
 def make(n=8, **kw):
@@ -94,3 +97,73 @@ def test_reset_is_deterministic_per_seed():
   a, b = make(4), make(4)
   np.testing.assert_array_equal(a.reset(7).images, b.reset(7).images)
   assert not np.array_equal(a.reset(7).images, b.reset(8).images)
+
+
+def assert_same_start(obs, a, b):
+  np.testing.assert_array_equal(obs.images[a], obs.images[b])
+  np.testing.assert_array_equal(obs.state[a], obs.state[b])
+  assert obs.instruction[a] == obs.instruction[b]
+
+
+def test_group_members_share_initial_states_at_every_episode():
+  env = make(8, group_size=4, max_episode_steps=10)
+  assert env.group_size == 4 and env.group_ids().tolist() == [0] * 4 + [1] * 4
+  obs = env.reset(3)
+  for a, b in ((0, 1), (0, 2), (0, 3), (4, 5), (4, 6), (4, 7)):
+    assert_same_start(obs, a, b)
+  assert not np.array_equal(obs.images[0], obs.images[4])  # Groups differ.
+  # Per group: the expert at full and at half speed, standing still, random actions: the
+  # members' first episodes end at different chunks (auto-reset inside the chunk).
+  rng = np.random.default_rng(0)
+  ended_at, second = {}, {}
+  for chunk in range(3):  # 10-step limit, chunks of 4: every first episode ends by chunk 2.
+    actions = np.zeros((8, 4, 2), np.float32)
+    actions[0::4] = env.expert_chunk(4)[0::4]
+    actions[1::4] = env.expert_chunk(4, speed=0.5)[1::4]
+    actions[3::4] = rng.uniform(-1, 1, (2, 4, 2))
+    res = env.step_chunk(actions)
+    for e in res.episodes:
+      assert e.group == e.env_id // 4
+      if e.episode == 0:
+        ended_at[e.env_id] = chunk
+        second[e.env_id] = res.obs.take(np.array([e.env_id]))
+  assert sorted(ended_at) == list(range(8))
+  assert len({ended_at[i] for i in range(4)}) > 1 and len({ended_at[i] for i in range(4, 8)}) > 1
+  second = protocol.Observation(*(np.concatenate([getattr(second[i], f) for i in range(8)])
+                                  for f in ("images", "state", "instruction")))
+  for a, b in ((0, 1), (0, 2), (0, 3), (4, 5), (4, 6), (4, 7)):
+    assert_same_start(second, a, b)
+  assert not np.array_equal(second.images[0], second.images[4])
+  assert not np.array_equal(second.images[0], obs.images[0])
+  # Episode k is a pure function of (seed, group, k): a reset can start at episode 1.
+  again = make(8, group_size=4).reset(3, first_episode=np.ones(8, np.int64))
+  np.testing.assert_array_equal(again.images, second.images)
+
+
+def test_episodes_do_not_depend_on_batching():
+  """G = 1: env i's episodes are its own (all differ), whatever batch it is built in."""
+  whole = make(8)
+  obs = whole.reset(5)
+  assert whole.group_ids().tolist() == list(range(8))
+  assert len({o.tobytes() for o in obs.images}) == 8
+  alone = builtin.ColorReach(1, first_env_id=6, total_envs=8)  # As a pool's worker builds it.
+  np.testing.assert_array_equal(alone.reset(5).images[0], obs.images[6])
+  zeros = np.zeros((8, 25, 2), np.float32)  # 25 < 50 steps: no episode ends.
+  whole.step_chunk(zeros)
+  res = whole.step_chunk(zeros)  # All time out: episode 1.
+  alone.step_chunk(zeros[:1])
+  np.testing.assert_array_equal(alone.step_chunk(zeros[:1]).obs.images[0], res.obs.images[6])
+  assert [(e.env_id, e.group, e.episode) for e in res.episodes] == [(i, i, 0) for i in range(8)]
+
+
+def test_group_size_must_divide_num_envs():
+  with pytest.raises(ValueError, match=r"env\.group_size=4 must divide .*num_envs=6"):
+    make(6, group_size=4)
+  with pytest.raises(ValueError, match=r"env\.group_size=0 must be an integer >= 1"):
+    make(4, group_size=0)
+  cfg = default.get_config("smoke").env
+  cfg.group_size = 3
+  with pytest.raises(ValueError, match=r"env\.group_size=3"):
+    make_env(cfg, 8, 0)
+  assert make_env(cfg, 8, 0, group_size=1).group_size == 1  # e.g. an evaluation batch.
+  assert make_env(ml_collections.ConfigDict(cfg), 6, 0).group_ids().tolist() == [0] * 3 + [1] * 3

@@ -1,4 +1,5 @@
-"""EnvPool: equivalence with in-process stepping, first-ready batching, faults, clean close."""
+"""EnvPool: equivalence with in-process stepping, first-ready batching, faults, GRPO groups,
+clean close."""
 
 import dataclasses
 import multiprocessing as mp
@@ -6,11 +7,13 @@ import os
 import signal
 import time
 
+import ml_collections
 import numpy as np
 import psutil
 import pytest
 
 from configs import default
+from jaxvla import envs as envs_lib
 from jaxvla.envs import pool as pool_lib
 
 CHUNK = 4
@@ -24,10 +27,13 @@ class _ScriptedEnv:
 
   def __init__(self, env, env_id: int, fn: "ScriptedFn"):
     self.env, self.env_id, self.fn = env, env_id, fn
-    self.spec, self.num_envs = env.spec, env.num_envs
+    self.spec, self.num_envs, self.group_size = env.spec, env.num_envs, env.group_size
 
-  def reset(self, seed):
-    return self.env.reset(seed)
+  def group_ids(self):
+    return self.env.group_ids()
+
+  def reset(self, seed, first_episode=None):
+    return self.env.reset(seed, first_episode)
 
   def step_chunk(self, actions):
     if self.env_id in self.fn.fail_ids:
@@ -52,23 +58,32 @@ class ScriptedFn:
   hang_marker: str = ""
   fail_ids: tuple = ()
   fail_build: bool = False
+  num_envs: int = 4  # Of the pool: places env first_env_id in its group.
 
   def __call__(self, first_env_id, count, seed):
     if self.fail_build:
       raise OSError(f"no simulator assets for env {first_env_id}")
-    return _ScriptedEnv(pool_lib.config_env_fn(CFG)(first_env_id, count, seed), first_env_id,
-                        self)
+    env = pool_lib.config_env_fn(CFG, self.num_envs)(first_env_id, count, seed)
+    return _ScriptedEnv(env, first_env_id, self)
 
 
-def make_pool(num_envs=4, envs_per_worker=2, env_fn=None, step_timeout_s=30.0):
-  return pool_lib.EnvPool(env_fn or pool_lib.config_env_fn(CFG), num_envs, envs_per_worker,
-                          SPEC, step_timeout_s=step_timeout_s)
+@dataclasses.dataclass(frozen=True)
+class FirstIdIgnoredFn:
+  """A wrong env_fn: builds every env as env 0, so all would play the same episodes."""
+
+  def __call__(self, first_env_id, count, seed):
+    return pool_lib.config_env_fn(CFG)(0, count, seed)
+
+
+def make_pool(num_envs=4, envs_per_worker=2, env_fn=None, step_timeout_s=30.0, cfg=None):
+  return pool_lib.EnvPool(env_fn or pool_lib.config_env_fn(cfg or CFG), num_envs,
+                          envs_per_worker, SPEC, step_timeout_s=step_timeout_s)
 
 
 def reference_envs(num_envs, seed):
-  """The pool's envs built and reset in-process, env i seeded by env_seed(seed, i)."""
-  envs = [pool_lib.config_env_fn(CFG)(i, 1, 0) for i in range(num_envs)]
-  obs = [e.reset(pool_lib.env_seed(seed, i)) for i, e in enumerate(envs)]
+  """The pool's envs built and reset in-process, one per global env id."""
+  envs = [pool_lib.config_env_fn(CFG, num_envs)(i, 1, 0) for i in range(num_envs)]
+  obs = [e.reset(seed) for e in envs]
   return envs, obs
 
 
@@ -79,8 +94,12 @@ def random_actions(rng, n):
 def test_step_chunk_equals_in_process_stepping():
   rng = np.random.default_rng(0)
   envs, ref_obs = reference_envs(4, seed=7)
+  batch = envs_lib.make_env(ml_collections.ConfigDict(CFG), 4, 0)  # The in-process run.
+  batch_obs = batch.reset(7)
   with make_pool() as pool:
     obs = pool.reset(7)
+    assert pool.group_size == 1 and pool.group_ids().tolist() == [0, 1, 2, 3]
+    np.testing.assert_array_equal(obs.images, batch_obs.images)
     np.testing.assert_array_equal(obs.images, np.concatenate([o.images for o in ref_obs]))
     np.testing.assert_array_equal(obs.state, np.concatenate([o.state for o in ref_obs]))
     assert obs.instruction.tolist() == [o.instruction[0] for o in ref_obs]
@@ -98,6 +117,9 @@ def test_step_chunk_equals_in_process_stepping():
       assert got.obs.instruction.tolist() == [r.obs.instruction[0] for r in refs]
       ref_eps = [dataclasses.replace(e, env_id=i) for i, r in enumerate(refs) for e in r.episodes]
       assert got.episodes == ref_eps
+      in_batch = batch.step_chunk(actions)
+      np.testing.assert_array_equal(got.obs.state, in_batch.obs.state)
+      assert got.episodes == in_batch.episodes
       episodes += len(got.episodes)
     assert episodes > 0  # Auto-reset happened inside the workers.
     assert pool.stats.chunks == 24 and pool.stats.restarts == 0
@@ -283,3 +305,86 @@ def test_close_leaves_no_processes_or_shared_memory():
   assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
   with pytest.raises(RuntimeError, match="closed"):
     pool.reset(0)
+
+
+# ------------------------------------------------------------------ GRPO groups --
+GROUP_CFG = {**CFG, "group_size": 2}
+
+
+def assert_rows_equal(obs, a, b):
+  """Envs ``a`` and ``b`` of ``obs`` show the same episode start."""
+  np.testing.assert_array_equal(obs.images[a], obs.images[b])
+  np.testing.assert_array_equal(obs.state[a], obs.state[b])
+  assert obs.instruction[a] == obs.instruction[b]
+
+
+def test_groups_span_workers_and_share_every_episode_start():
+  # 6 envs, 2 workers of 3, G = 2: groups {0, 1} {2, 3} {4, 5}; group 1 spans both workers.
+  shadow = envs_lib.make_env(ml_collections.ConfigDict(GROUP_CFG), 6, 0)  # In-process twin.
+  with make_pool(num_envs=6, envs_per_worker=3, cfg=GROUP_CFG) as pool:
+    assert pool.group_size == 2 and pool.group_ids().tolist() == [0, 0, 1, 1, 2, 2]
+    obs = pool.reset(11)
+    np.testing.assert_array_equal(obs.images, shadow.reset(11).images)
+    for g in range(3):
+      assert_rows_equal(obs, 2 * g, 2 * g + 1)
+    assert not np.array_equal(obs.images[1], obs.images[2])  # Groups differ.
+    assert not np.array_equal(obs.images[3], obs.images[4])
+    # Even envs follow the expert (their episode ends within 2 chunks), odd ones stand still
+    # (time limit after 10 steps: the 3rd chunk), so members auto-reset at different chunks.
+    second_start, ended_at = {}, {}
+    for chunk in range(3):
+      actions = np.zeros((6, CHUNK, 2), np.float32)
+      actions[::2] = shadow.expert_chunk(CHUNK)[::2]
+      res = pool.step_chunk(actions)
+      np.testing.assert_array_equal(res.obs.state, shadow.step_chunk(actions).obs.state)
+      for e in res.episodes:
+        assert e.group == e.env_id // 2
+        if e.episode == 0:
+          ended_at[e.env_id] = chunk
+          second_start[e.env_id] = (res.obs.images[e.env_id], res.obs.state[e.env_id],
+                                    res.obs.instruction[e.env_id])
+    assert sorted(ended_at) == list(range(6))
+    assert all(ended_at[2 * g] < ended_at[2 * g + 1] for g in range(3))
+    for g in range(3):
+      a, b = second_start[2 * g], second_start[2 * g + 1]
+      np.testing.assert_array_equal(a[0], b[0])
+      np.testing.assert_array_equal(a[1], b[1])
+      assert a[2] == b[2]
+    assert not np.array_equal(second_start[0][0], second_start[2][0])
+    assert not np.array_equal(second_start[0][0], obs.images[0])  # A new layout.
+
+
+def test_group_members_stay_aligned_after_a_worker_restart():
+  zeros = np.zeros((6, CHUNK, 2), np.float32)  # Stand still: episodes end at the time limit.
+  with make_pool(num_envs=6, envs_per_worker=3, cfg=GROUP_CFG) as pool:
+    start = pool.reset(0)
+    pool.step_chunk(zeros)
+    os.kill(pool.pids[0], signal.SIGKILL)  # Envs 0, 1, 2 lose episode 0 after 4 steps.
+    res = pool.step_chunk(zeros)
+    assert pool.stats.restarts == 1 and res.truncated[:3].all() and not res.done[3:].any()
+    assert [(e.env_id, e.group, e.episode, e.length) for e in res.episodes] == [
+        (0, 0, 0, CHUNK), (1, 0, 0, CHUNK), (2, 1, 0, CHUNK)]
+    restarted = res.obs  # Envs 0-2: episode 1 in the fresh worker.
+    assert_rows_equal(restarted, 0, 1)
+    assert not np.array_equal(restarted.images[0], start.images[0])
+    res = pool.step_chunk(zeros)  # Envs 3-5 reach the time limit: their episode 1 starts.
+    assert [(e.env_id, e.group, e.episode) for e in res.episodes] == [
+        (3, 1, 0), (4, 2, 0), (5, 2, 0)]
+    np.testing.assert_array_equal(res.obs.images[3], restarted.images[2])  # Across workers.
+    np.testing.assert_array_equal(res.obs.state[3], restarted.state[2])
+    assert_rows_equal(res.obs, 4, 5)
+    # Episode 2 starts alike too: env 2 (restarted) and env 3 run 10 more steps each.
+    ends = {}
+    for _ in range(3):
+      res = pool.step_chunk(zeros)
+      for e in res.episodes:
+        ends[(e.env_id, e.episode)] = res.obs.images[e.env_id]
+    np.testing.assert_array_equal(ends[(2, 1)], ends[(3, 1)])
+
+
+def test_group_size_must_divide_num_envs_and_env_fn_must_place_envs():
+  cfg = ml_collections.ConfigDict({**CFG, "group_size": 4})
+  with pytest.raises(ValueError, match=r"env\.group_size=4 must divide .*num_envs=6"):
+    envs_lib.make_vec_env(cfg, 6, 0, num_workers=2, step_timeout_s=30)  # Before any worker.
+  with pytest.raises(ValueError, match=r"expects groups \[0, 1\]"):
+    make_pool(num_envs=2, envs_per_worker=2, env_fn=FirstIdIgnoredFn())

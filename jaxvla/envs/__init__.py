@@ -4,6 +4,7 @@ import importlib
 
 import ml_collections
 
+from jaxvla.envs import protocol
 from jaxvla.envs.protocol import ChunkStep, EnvSpec, EpisodeStats, Observation, VecEnv
 
 _ENV_MODULES = {
@@ -13,13 +14,29 @@ _ENV_MODULES = {
 }
 
 
-def make_env(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> VecEnv:
-  """Builds the env batch named by ``config.name`` from the ``env`` sub-config."""
+def make_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
+             group_size: int | None = None, first_env_id: int = 0,
+             total_envs: int | None = None) -> VecEnv:
+  """Builds the env batch named by ``config.name`` from the ``env`` sub-config.
+
+  Args:
+    config: the ``env`` sub-config.
+    num_envs: envs in this batch.
+    seed: episode seed until the first ``reset``.
+    group_size: GRPO group size; None reads ``env.group_size`` (1 when absent).
+      Pass 1 for batches that should not be grouped (e.g. evaluation).
+    first_env_id: global id of the batch's env 0 (a pool's worker envs).
+    total_envs: envs in the whole run (default: the batch is the run).
+  """
   if config.name not in _ENV_MODULES:
     raise ValueError(
         f"config.env.name={config.name!r} is not a known environment; "
         f"choose one of {sorted(_ENV_MODULES)}")
-  return importlib.import_module(_ENV_MODULES[config.name]).make(config, num_envs, seed)
+  if group_size is None:
+    group_size = config.get("group_size", 1)
+  return importlib.import_module(_ENV_MODULES[config.name]).make(
+      config, num_envs, seed, group_size=group_size, first_env_id=first_env_id,
+      total_envs=total_envs)
 
 
 def make_vec_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
@@ -28,19 +45,25 @@ def make_vec_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
 
   With workers, each of the ``num_workers`` processes owns ``num_envs /
   num_workers`` envs (:class:`jaxvla.envs.pool.EnvPool`); the spec is read from a
-  one-env probe built here.
+  one-env probe built here. Either way env ``i`` is in GRPO group ``i //
+  env.group_size`` and plays the same episodes for the same ``reset`` seed.
+
+  Raises:
+    ValueError: naming ``env.group_size`` if it does not divide ``num_envs``, or
+      ``env_workers`` if ``num_workers`` does not.
   """
+  protocol.group_layout(config.get("group_size", 1), num_envs)  # Fails before any build.
   if num_workers == 0:
     return make_env(config, num_envs, seed)
   if num_workers < 0 or num_envs % num_workers:
     raise ValueError(f"config.env_workers={num_workers} must be >= 0 and divide "
                      f"num_envs={num_envs}")
   from jaxvla.envs import pool  # pylint: disable=import-outside-toplevel
-  probe = make_env(config, 1, seed)
+  probe = make_env(config, 1, seed, group_size=1)
   spec = probe.spec
   probe.close()
-  return pool.EnvPool(pool.config_env_fn(config), num_envs, num_envs // num_workers, spec,
-                      step_timeout_s=step_timeout_s, seed=seed)
+  return pool.EnvPool(pool.config_env_fn(config, num_envs), num_envs, num_envs // num_workers,
+                      spec, step_timeout_s=step_timeout_s, seed=seed)
 
 
 __all__ = ["ChunkStep", "EnvSpec", "EpisodeStats", "Observation", "VecEnv", "make_env",

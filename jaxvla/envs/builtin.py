@@ -9,6 +9,13 @@ positions are only visible in the RGB image and the goal colour only in the
 instruction, so a policy must read both pixels and language; the proprioceptive
 state is the agent's own position.
 
+Episodes are a pure function of ``(reset seed, group, episode number)``: env
+``i``'s ``k``-th episode lays out agent, targets, colours and goal from
+``np.random.default_rng([seed, 0, i // group_size, k])`` (``i`` the global env id),
+whatever the batch size, the order in which envs finish, or the process that steps
+the env. With ``group_size`` G > 1 the members of a GRPO group replay the same
+layouts (see :mod:`jaxvla.envs.protocol`); with G = 1 every env has its own stream.
+
 Everything is vectorised over the batch in NumPy. An optional per-step latency,
 drawn from a log-normal (long-tailed) distribution and *slept*, stands in for a
 slow simulator in benchmarks without burning CPU.
@@ -33,6 +40,14 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 }
 _BACKGROUND = np.array([40, 40, 48], np.uint8)
 _AGENT_COLOUR = np.array([255, 255, 255], np.uint8)
+# Random streams, kept apart by the word after the seed: episode layouts (per group and
+# episode number), slept latency and the expert's fallback noise (per env batch).
+_EPISODE_STREAM, _LATENCY_STREAM, _NOISE_STREAM = 0, 1, 2
+
+
+def episode_rng(seed: int, group: int, episode: int) -> np.random.Generator:
+  """The generator of group ``group``'s ``episode``-th layout after ``reset(seed)``."""
+  return np.random.default_rng([seed, _EPISODE_STREAM, group, episode])
 
 
 class ColorReach:
@@ -54,7 +69,11 @@ class ColorReach:
     ring_radius: ``(min, max)`` target distance from the centre for 'ring'.
     latency_ms: median per-step latency slept in ``step_chunk`` (0: none).
     latency_sigma: log-normal shape of the latency (larger: longer tail).
-    seed: seed of the episode generator.
+    seed: episode seed until the first ``reset`` (>= 0).
+    group_size: GRPO group size G; envs ``i // G`` share every episode's layout.
+    first_env_id: global id of this batch's env 0 (a pool's worker builds env ``i``
+      alone with ``first_env_id=i``).
+    total_envs: envs in the whole run (default: this batch is the run).
   """
 
   def __init__(self, num_envs: int, *, image_size: int = 32, num_targets: int = 3,
@@ -62,7 +81,8 @@ class ColorReach:
                goal_radius: float = 0.15, wrong_target_radius: float = 0.15,
                min_separation: float = 0.5, layout: str = "ring",
                ring_radius: tuple[float, float] = (0.4, 0.85), latency_ms: float = 0.0,
-               latency_sigma: float = 1.0, seed: int = 0):
+               latency_sigma: float = 1.0, seed: int = 0, group_size: int = 1,
+               first_env_id: int = 0, total_envs: int | None = None):
     if not 1 <= num_targets <= num_colours <= len(COLOURS):
       raise ValueError(
           f"need 1 <= num_targets ({num_targets}) <= num_colours ({num_colours}) "
@@ -70,6 +90,9 @@ class ColorReach:
     if num_envs < 1:
       raise ValueError(f"num_envs must be >= 1, got {num_envs}")
     self.num_envs = num_envs
+    self._groups, _ = protocol.group_layout(group_size, num_envs, first_env_id, total_envs)
+    self.group_size = int(group_size)
+    self.first_env_id = first_env_id
     self.image_size = image_size
     self.num_targets = num_targets
     self.colour_names = tuple(COLOURS)[:num_colours]
@@ -90,46 +113,56 @@ class ColorReach:
         action_dim=2, max_episode_steps=max_episode_steps)
     # Pixel-centre coordinates in world units, [S].
     self._pix = (np.arange(image_size) + 0.5) / image_size * 2.0 - 1.0
-    self._rng = np.random.default_rng(seed)
-    self._latency_rng = np.random.default_rng(seed + 1)
     self.agent = np.zeros((num_envs, 2), np.float32)
     self.targets = np.zeros((num_envs, num_targets, 2), np.float32)
     self.target_colours = np.zeros((num_envs, num_targets), np.int32)
     self.goal = np.zeros((num_envs,), np.int32)
     self.t = np.zeros((num_envs,), np.int32)
     self.ep_return = np.zeros((num_envs,), np.float32)
-    self._new_episodes(np.arange(num_envs))
+    self._reset(seed, None)
 
   # --------------------------------------------------------------- episodes --
-  def reset(self, seed: int) -> protocol.Observation:
-    self._rng = np.random.default_rng(seed)
-    self._latency_rng = np.random.default_rng(seed + 1)
-    self._new_episodes(np.arange(self.num_envs))
+  def group_ids(self) -> np.ndarray:
+    """``int64 [B]``: the GRPO group of each env."""
+    return self._groups.copy()
+
+  def reset(self, seed: int,
+            first_episode: np.ndarray | None = None) -> protocol.Observation:
+    self._reset(seed, first_episode)
     return self.observe()
 
+  def _reset(self, seed: int, first_episode: np.ndarray | None) -> None:
+    self._seed = int(seed)
+    # Number k of each env's current episode, [B].
+    self._episode = protocol.check_first_episode(first_episode, self.num_envs)
+    self._latency_rng = np.random.default_rng([seed, _LATENCY_STREAM, self.first_env_id])
+    self._rng = np.random.default_rng([seed, _NOISE_STREAM, self.first_env_id])
+    self._new_episodes(np.arange(self.num_envs))
+
   def _new_episodes(self, ids: np.ndarray) -> None:
-    """Draws fresh episodes for env ids ``ids`` ``[n]``."""
+    """Lays out the current episode (``self._episode``) of env ids ``ids`` ``[n]``."""
     for i in ids:
-      pts = self._sample_separated(self.num_targets + 1)
+      rng = episode_rng(self._seed, int(self._groups[i]), int(self._episode[i]))
+      pts = self._sample_separated(self.num_targets + 1, rng)
       self.agent[i] = pts[0]
       self.targets[i] = pts[1:]
-      self.target_colours[i] = self._rng.choice(len(self.colour_names), self.num_targets,
-                                                replace=False)
-      self.goal[i] = self._rng.integers(self.num_targets)
+      self.target_colours[i] = rng.choice(len(self.colour_names), self.num_targets,
+                                          replace=False)
+      self.goal[i] = rng.integers(self.num_targets)
     self.t[ids] = 0
     self.ep_return[ids] = 0.0
 
-  def _sample_separated(self, n: int) -> np.ndarray:
+  def _sample_separated(self, n: int, rng: np.random.Generator) -> np.ndarray:
     """Rejection-samples ``n`` points ``[n, 2]`` at least ``min_separation`` apart."""
     margin = 0.85
     for _ in range(1000):
       if self.layout == "ring":
-        angle = self._rng.uniform(0, 2 * np.pi, n - 1)
-        radius = self._rng.uniform(*self.ring_radius, n - 1)
+        angle = rng.uniform(0, 2 * np.pi, n - 1)
+        radius = rng.uniform(*self.ring_radius, n - 1)
         ring = np.stack([np.cos(angle), np.sin(angle)], -1) * radius[:, None]
         pts = np.concatenate([np.zeros((1, 2)), ring]).astype(np.float32)
       else:
-        pts = self._rng.uniform(-margin, margin, size=(n, 2)).astype(np.float32)
+        pts = rng.uniform(-margin, margin, size=(n, 2)).astype(np.float32)
       d = np.linalg.norm(pts[:, None] - pts[None], axis=-1) + np.eye(n) * 10
       if d.min() >= self.min_separation:
         return pts
@@ -199,12 +232,15 @@ class ColorReach:
         break
     self.ep_return += reward
     done = terminated | truncated
+    ended = np.nonzero(done)[0]
     episodes = [
-        protocol.EpisodeStats(env_id=int(i), episode_return=float(self.ep_return[i]),
-                              length=int(self.t[i]), success=bool(success[i]),
-                              truncated=bool(truncated[i]))
-        for i in np.nonzero(done)[0]]
-    self._new_episodes(np.nonzero(done)[0])
+        protocol.EpisodeStats(env_id=int(i), group=int(self._groups[i]),
+                              episode=int(self._episode[i]),
+                              episode_return=float(self.ep_return[i]), length=int(self.t[i]),
+                              success=bool(success[i]), truncated=bool(truncated[i]))
+        for i in ended]
+    self._episode[ended] += 1  # Auto-reset: each env moves on to its own next episode.
+    self._new_episodes(ended)
     return protocol.ChunkStep(obs=self.observe(), reward=reward, terminated=terminated,
                               truncated=truncated, success=success, steps=steps,
                               episodes=episodes)
@@ -241,8 +277,10 @@ class ColorReach:
     pass
 
 
-def make(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> ColorReach:
-  """Builds ColorReach from the ``env`` sub-config."""
+def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
+         group_size: int | None = None, first_env_id: int = 0,
+         total_envs: int | None = None) -> ColorReach:
+  """Builds ColorReach from the ``env`` sub-config (``group_size`` None: ``env.group_size``)."""
   return ColorReach(
       num_envs, image_size=config.image_size, num_targets=config.num_targets,
       num_colours=config.num_colours, max_episode_steps=config.max_episode_steps,
@@ -250,4 +288,6 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> ColorRe
       wrong_target_radius=config.wrong_target_radius,
       min_separation=config.min_separation, layout=config.layout,
       ring_radius=tuple(config.ring_radius), latency_ms=config.latency_ms,
-      latency_sigma=config.latency_sigma, seed=seed)
+      latency_sigma=config.latency_sigma, seed=seed,
+      group_size=config.get("group_size", 1) if group_size is None else group_size,
+      first_env_id=first_env_id, total_envs=total_envs)

@@ -6,9 +6,12 @@ built with ``hard_reset=False`` (0.1 s resets instead of seconds). The task is
 ``"<suite>/<index>"``, e.g. ``"libero_spatial/0"``. This class owns:
 
 * episodes: every reset restores one of the suite's fixed init states (env
-  ``i``'s ``k``-th episode uses ``(seed + i + count * k) % num_init_states``),
-  then runs ``settle_steps`` no-op steps with the gripper open, which are not
-  counted as env steps (objects drop onto the table);
+  ``i``'s ``k``-th episode uses ``(seed + g + num_groups * k) % num_init_states``,
+  ``g = i // group_size`` its GRPO group; with ``group_size`` 1, ``g = i``: the
+  members of a group start each ``k``-th episode from the same init state; the
+  fixtures, whose poses LIBERO samples at each reset outside the init states, are
+  placed from the same number), then runs ``settle_steps`` no-op steps with the
+  gripper open, which are not counted as env steps (objects drop onto the table);
 * observations: the ``agentview`` and ``robot0_eye_in_hand`` cameras turned the
   right way up (LIBERO renders them upside down; both axes are flipped, as in
   openpi's LIBERO example), state = end-effector position (3), end-effector
@@ -77,14 +80,20 @@ class LiberoEnv(instances.InstanceBatch):
     max_episode_steps: time limit in env steps; ``0`` takes the suite's limit.
     settle_steps: uncounted no-op steps after each reset.
     seed: offset of the init-state indices (see the module docstring).
+    group_size: GRPO group size G; envs ``i // G`` share every episode's init state.
+    first_env_id: global id of this batch's instance 0 (pool workers).
+    total_envs: envs in the whole run (default: this batch is the run).
   """
 
   def __init__(self, task: str, count: int, *, image_size: int = 64,
-               max_episode_steps: int = 0, settle_steps: int = 10, seed: int = 0):
+               max_episode_steps: int = 0, settle_steps: int = 10, seed: int = 0,
+               group_size: int = 1, first_env_id: int = 0, total_envs: int | None = None):
     suite_name, index = parse_task(task)
     if max_episode_steps < 0 or settle_steps < 0:
       raise ValueError(f"env.max_episode_steps={max_episode_steps} and "
                        f"env.settle_steps={settle_steps} must be >= 0")
+    self.num_envs = count
+    self._init_groups(group_size, first_env_id, total_envs)
     # Imported here: LIBERO reads its config file and robosuite logs at import time.
     from libero.libero import benchmark, get_libero_path
     from libero.libero.envs import OffScreenRenderEnv
@@ -98,7 +107,6 @@ class LiberoEnv(instances.InstanceBatch):
                         lib_task.bddl_file)
     self.task_name = task
     self.instruction = str(lib_task.language)
-    self.num_envs = count
     self.settle_steps = settle_steps
     self._init_states = np.asarray(suite.get_task_init_states(index))  # [num_inits, D]
     self._envs = []
@@ -114,14 +122,21 @@ class LiberoEnv(instances.InstanceBatch):
     self._seed = seed
     self._reset_all()
 
-  def init_state_index(self, i: int) -> int:
-    """Index of the init state of env ``i``'s next episode."""
-    k = int(self._episode[i])
-    return (self._seed + i + self.num_envs * k) % len(self._init_states)
+  def init_state_index(self, i: int, episode: int | None = None) -> int:
+    """Index of the init state of env ``i``'s episode ``episode`` (default: the current)."""
+    return self.episode_index(i, episode) % len(self._init_states)
 
   def _reset_one(self, i: int) -> dict:
     env = self._envs[i]
-    env.reset()
+    # LIBERO's reset places the fixtures (fixed bodies: cabinets, stoves; their poses
+    # are not in the init states) with the global np.random. Seed it per episode, so the
+    # members of a group see the same scene, and leave the caller's stream as it was.
+    saved = np.random.get_state()
+    np.random.seed(self.episode_index(i) % 2**32)
+    try:
+      env.reset()
+    finally:
+      np.random.set_state(saved)
     obs = env.set_init_state(self._init_states[self.init_state_index(i)])
     for _ in range(self.settle_steps):
       obs, _, _, _ = env.step(SETTLE_ACTION)
@@ -147,8 +162,15 @@ class LiberoEnv(instances.InstanceBatch):
         instruction=np.array([self.instruction] * self.num_envs, dtype=object))
 
 
-def make(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> LiberoEnv:
-  """Builds ``num_envs`` LIBERO instances in this process from the ``env`` sub-config."""
+def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
+         group_size: int | None = None, first_env_id: int = 0,
+         total_envs: int | None = None) -> LiberoEnv:
+  """Builds ``num_envs`` LIBERO instances in this process from the ``env`` sub-config.
+
+  ``group_size`` None reads ``env.group_size`` (1 when absent).
+  """
   return LiberoEnv(config.task, num_envs, image_size=config.image_size,
                    max_episode_steps=config.max_episode_steps,
-                   settle_steps=config.settle_steps, seed=seed)
+                   settle_steps=config.settle_steps, seed=seed,
+                   group_size=config.get("group_size", 1) if group_size is None else group_size,
+                   first_env_id=first_env_id, total_envs=total_envs)

@@ -52,12 +52,17 @@ class ManiSkillCPU(instances.InstanceBatch):
     image_size: camera width and height (``rgb``).
     max_episode_steps: time limit in env steps.
     reward_mode: ManiSkill's reward mode (``"sparse"``: 1 on success).
-    seed: episode seeds are ``seed + env index + count * episode number``.
+    seed: episode seeds are ``seed + group + num_groups * episode number``
+      (:meth:`episode_index`; with ``group_size`` 1 the group is the env index).
+    group_size: GRPO group size G; envs ``i // G`` share every episode's seed.
+    first_env_id: global id of this batch's instance 0 (pool workers).
+    total_envs: envs in the whole run (default: this batch is the run).
   """
 
   def __init__(self, task: str, count: int, *, obs_mode: str = "rgb",
                control_mode: str = "pd_joint_delta_pos", image_size: int = 64,
-               max_episode_steps: int = 50, reward_mode: str = "sparse", seed: int = 0):
+               max_episode_steps: int = 50, reward_mode: str = "sparse", seed: int = 0,
+               group_size: int = 1, first_env_id: int = 0, total_envs: int | None = None):
     if task not in INSTRUCTIONS:
       raise ValueError(f"env.task={task!r} is not one of the offline ManiSkill3 tasks "
                        f"{sorted(INSTRUCTIONS)}")
@@ -65,11 +70,12 @@ class ManiSkillCPU(instances.InstanceBatch):
       raise ValueError(f"env.obs_mode={obs_mode!r} is not one of {OBS_MODES}")
     if control_mode not in CONTROL_MODES:
       raise ValueError(f"env.control_mode={control_mode!r} is not one of {CONTROL_MODES}")
+    self.num_envs = count
+    self._init_groups(group_size, first_env_id, total_envs)
     import gymnasium as gym
     import mani_skill.envs  # noqa: F401  (registers the tasks)
 
     self.task_name = task
-    self.num_envs = count
     self.obs_mode = obs_mode
     kwargs = dict(obs_mode=obs_mode, sim_backend="cpu", num_envs=1, control_mode=control_mode,
                   reward_mode=reward_mode, max_episode_steps=max_episode_steps)
@@ -91,7 +97,7 @@ class ManiSkillCPU(instances.InstanceBatch):
                                  max_episode_steps=max_episode_steps)
 
   def _reset_one(self, i: int) -> dict:
-    obs, _ = self._envs[i].reset(seed=int(self._seed + i + self.num_envs * self._episode[i]))
+    obs, _ = self._envs[i].reset(seed=self.episode_index(i))
     return obs
 
   def _map_actions(self, actions: np.ndarray) -> np.ndarray:
@@ -123,9 +129,16 @@ class ManiSkillCPU(instances.InstanceBatch):
         instruction=np.array([INSTRUCTIONS[self.task_name]] * self.num_envs, dtype=object))
 
 
-def make(config: ml_collections.ConfigDict, num_envs: int, seed: int) -> ManiSkillCPU:
-  """Builds ``num_envs`` CPU instances in this process from the ``env`` sub-config."""
+def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
+         group_size: int | None = None, first_env_id: int = 0,
+         total_envs: int | None = None) -> ManiSkillCPU:
+  """Builds ``num_envs`` CPU instances in this process from the ``env`` sub-config.
+
+  ``group_size`` None reads ``env.group_size`` (1 when absent).
+  """
   return ManiSkillCPU(config.task, num_envs, obs_mode=config.obs_mode,
                       control_mode=config.control_mode, image_size=config.image_size,
                       max_episode_steps=config.max_episode_steps,
-                      reward_mode=config.reward_mode, seed=seed)
+                      reward_mode=config.reward_mode, seed=seed,
+                      group_size=config.get("group_size", 1) if group_size is None
+                      else group_size, first_env_id=first_env_id, total_envs=total_envs)

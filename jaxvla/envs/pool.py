@@ -25,8 +25,16 @@ for the episode that was lost. A Python exception in a simulator is re-raised
 in the parent as a ``RuntimeError`` naming the env ids, the task and the worker
 traceback (the worker is restarted first, so the pool stays usable).
 
-Env ``i`` draws its episodes from ``env_seed(seed, i, generation)``, whatever
-``envs_per_worker`` is, so a pooled run can be replayed in-process.
+Episodes and GRPO groups: a worker builds env ``i`` as global env ``i`` of
+``num_envs`` (``env_fn(i, 1, ...)``), so the env knows its group ``i //
+env.group_size``, and resets it with the caller's seed. Env ``i``'s ``k``-th
+episode is therefore fixed by ``(seed, i // group_size, k)`` as in the in-process
+batch ``make_env(config, num_envs, seed)``, whatever ``envs_per_worker`` is: a
+pooled run can be replayed in-process, and group members in different workers
+share their ``k``-th episodes' initial states. The parent counts each env's
+episodes; a restarted worker's envs continue from their next episode number (the
+lost episode ``k`` is reported truncated, the fresh env starts ``k + 1``), so the
+members stay aligned across restarts too.
 """
 
 from __future__ import annotations
@@ -60,20 +68,29 @@ def env_seed(seed: int, env_id: int, generation: int = 0) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ConfigEnvFn:
-  """Picklable factory building envs from a plain ``env`` config dict (any registered env)."""
+  """Picklable factory building envs from a plain ``env`` config dict (any registered env).
+
+  Attributes:
+    env_config: the ``env`` sub-config as a dict.
+    num_envs: envs in the whole run, so that env ``first_env_id`` lands in its
+      GRPO group; None until an :class:`EnvPool` fills in its own ``num_envs``
+      (a call with ``first_env_id > 0`` needs it).
+  """
   env_config: dict
+  num_envs: int | None = None
 
   def __call__(self, first_env_id: int, count: int, seed: int) -> protocol.VecEnv:
-    del first_env_id  # episodes depend on the seed alone.
     from jaxvla import envs  # the registry; imported here to avoid an import cycle
-    return envs.make_env(ml_collections.ConfigDict(self.env_config), count, seed)
+    return envs.make_env(ml_collections.ConfigDict(self.env_config), count, seed,
+                         first_env_id=first_env_id, total_envs=self.num_envs)
 
 
-def config_env_fn(env_config: ml_collections.ConfigDict | dict) -> ConfigEnvFn:
+def config_env_fn(env_config: ml_collections.ConfigDict | dict,
+                  num_envs: int | None = None) -> ConfigEnvFn:
   """Returns the pool's ``env_fn`` for the env named in the ``env`` sub-config."""
   if isinstance(env_config, ml_collections.ConfigDict):
     env_config = env_config.to_dict()
-  return ConfigEnvFn(dict(env_config))
+  return ConfigEnvFn(dict(env_config), num_envs)
 
 
 @dataclasses.dataclass
@@ -124,8 +141,11 @@ def _worker_main(conn: connection.Connection, env_fn: EnvFn, first_env_id: int, 
                  image_shape: tuple[int, ...], state_dim: int) -> None:
   """Worker process: owns global envs ``first_env_id .. first_env_id + count - 1``.
 
+  Env ``first_env_id + j`` is built alone by ``env_fn(first_env_id + j, 1, ...)``
+  and reports its global group and episode numbers itself.
+
   Commands (parent -> worker), answered in order:
-    ("reset", seed, generation) -> ("reset", instructions [count], ready_at)
+    ("reset", seed, first_episode [count]) -> ("reset", instructions [count], ready_at)
     ("step", local [b], actions [b, H, A]) -> ("step", results, instructions [b], ready_at)
     ("close",) -> exits.
   Any simulator exception is answered by ("error", env_ids, task, traceback).
@@ -137,10 +157,12 @@ def _worker_main(conn: connection.Connection, env_fn: EnvFn, first_env_id: int, 
   try:
     try:
       envs = [env_fn(i, 1, env_seed(build_seed, i)) for i in ids]
+      sizes = [int(env.group_size) for env in envs]
+      groups = [int(np.asarray(env.group_ids())[0]) for env in envs]
     except Exception:  # Reported to the parent, which raises it.
       conn.send(("error", ids, type(env_fn).__name__, traceback.format_exc()))
       return
-    conn.send(("ready", envs[0].spec, _task_name(envs[0])))
+    conn.send(("ready", envs[0].spec, _task_name(envs[0]), sizes, groups))
     while True:
       try:
         msg = conn.recv()
@@ -151,11 +173,11 @@ def _worker_main(conn: connection.Connection, env_fn: EnvFn, first_env_id: int, 
       current = ids
       try:
         if msg[0] == "reset":
-          _, seed, generation = msg
+          _, seed, first_episode = msg
           instr = []
           for j, env in enumerate(envs):
             current = [ids[j]]
-            obs = env.reset(env_seed(seed, ids[j], generation))
+            obs = env.reset(seed, first_episode=np.array(first_episode[j:j + 1], np.int64))
             images[ids[j]], state[ids[j]] = obs.images[0], obs.state[0]
             instr.append(str(obs.instruction[0]))
           conn.send(("reset", instr, time.monotonic()))
@@ -192,7 +214,7 @@ class _Worker:
   count: int
   process: Any = None
   conn: connection.Connection | None = None
-  generation: int = 0  # Restarts so far: new seeds for the fresh envs.
+  generation: int = 0  # Restarts so far: new construction seeds for the fresh envs.
   # Commands sent and not answered yet: (global env ids, monotonic time sent).
   outstanding: collections.deque = dataclasses.field(default_factory=collections.deque)
   busy_since: float = 0.0  # When the oldest outstanding command started executing.
@@ -224,7 +246,10 @@ class EnvPool:
   Args:
     env_fn: picklable ``(first_env_id, count, seed) -> VecEnv``, called in the
       worker once per env with ``count=1`` (so a chunk can step any subset of a
-      worker's envs while the rest stay idle).
+      worker's envs while the rest stay idle). The env must be global env
+      ``first_env_id`` of ``num_envs``: its ``group_ids()`` are checked against
+      ``first_env_id // group_size`` (a :class:`ConfigEnvFn` without ``num_envs``
+      gets this pool's).
     num_envs: global env ids are ``0 .. num_envs - 1``.
     envs_per_worker: envs per process; must divide ``num_envs``.
     spec: the envs' spec; a worker whose env reports another spec is an error.
@@ -244,7 +269,15 @@ class EnvPool:
       raise ValueError(f"start_method={start_method!r} is not 'spawn' or 'forkserver'")
     if step_timeout_s <= 0:
       raise ValueError(f"step_timeout_s={step_timeout_s} must be > 0")
+    if isinstance(env_fn, ConfigEnvFn):
+      if env_fn.num_envs is None:
+        env_fn = dataclasses.replace(env_fn, num_envs=num_envs)
+      elif env_fn.num_envs != num_envs:
+        raise ValueError(f"env_fn was made for num_envs={env_fn.num_envs}, but the pool has "
+                         f"num_envs={num_envs}")
     self.spec, self.num_envs = spec, num_envs
+    self.group_size = 0  # Read from the workers' envs (env.group_size) at start.
+    self._groups = np.zeros(num_envs, np.int64)
     self.stats = PoolStats()
     self._env_fn, self._seed = env_fn, seed
     self._step_timeout_s, self._start_timeout_s = step_timeout_s, start_timeout_s
@@ -267,6 +300,7 @@ class EnvPool:
     self._pending_fault: dict[int, _Ready] = {}  # Idle envs whose episode a restart ended.
     self._ep_return = np.zeros(num_envs, np.float64)
     self._ep_length = np.zeros(num_envs, np.int64)
+    self._episode = np.zeros(num_envs, np.int64)  # Number k of each env's current episode.
     self._reset_seed: int | None = None
     self._closed = False
     try:
@@ -295,6 +329,10 @@ class EnvPool:
     """Global env ids owned by worker ``worker``."""
     return list(self._workers[worker].env_ids)
 
+  def group_ids(self) -> np.ndarray:
+    """``int64 [num_envs]``: the GRPO group of each env (``env id // group_size``)."""
+    return self._groups.copy()
+
   def _spawn(self, w: _Worker) -> None:
     parent_conn, child_conn = self._ctx.Pipe(duplex=True)
     process = self._ctx.Process(
@@ -316,9 +354,21 @@ class EnvPool:
     msg = self._recv_one(w, self._start_timeout_s, "start")
     if msg[0] != "ready":
       self._raise_worker_error(w, msg, restart=False)
-    if msg[1] != self.spec:
-      raise ValueError(f"worker {w.index} ({msg[2]}) built envs with spec {msg[1]}, "
+    _, spec, task, sizes, groups = msg
+    if spec != self.spec:
+      raise ValueError(f"worker {w.index} ({task}) built envs with spec {spec}, "
                        f"but the pool was given {self.spec}")
+    if not self.group_size:  # The first worker to answer sets the pool's groups.
+      protocol.group_layout(sizes[0], self.num_envs)  # ValueError naming env.group_size.
+      self.group_size = sizes[0]
+      self._groups = np.arange(self.num_envs, dtype=np.int64) // self.group_size
+    expected = self._groups[list(w.env_ids)].tolist()
+    if any(g != self.group_size for g in sizes) or groups != expected:
+      raise ValueError(
+          f"worker {w.index} ({task}) built env ids {list(w.env_ids)} in groups {groups} "
+          f"with env.group_size={sizes}, but the pool expects groups {expected} "
+          f"(env.group_size={self.group_size}): env_fn(first_env_id, 1, seed) must build "
+          f"global env first_env_id of num_envs={self.num_envs}")
 
   def _recv_one(self, w: _Worker, timeout_s: float, what: str) -> tuple:
     """Receives one message from ``w`` within ``timeout_s`` or raises ``_WorkerLost``."""
@@ -380,6 +430,7 @@ class EnvPool:
     self._ready.clear()
     self._pending_fault.clear()
     self._status[:] = "new"  # No episode is lost when a worker fails during the reset.
+    self._episode[:] = 0
     self._reset_seed = seed
     lost = []
     for w in self._workers:
@@ -410,12 +461,17 @@ class EnvPool:
     return protocol.Observation(self._images.copy(), self._state.copy(), self._instruction.copy())
 
   def _send_reset(self, w: _Worker) -> None:
-    w.conn.send(("reset", self._reset_seed, w.generation))
+    w.conn.send(("reset", self._reset_seed, self._episode[list(w.env_ids)].tolist()))
     w.outstanding.append((list(w.env_ids), time.monotonic()))
 
   # ---------------------------------------------------------------- restart --
   def _restart(self, w: _Worker, *, died: bool = False, hung: bool = False) -> None:
-    """Kills ``w``, starts a fresh one and turns each of its envs' next result into a fault."""
+    """Kills ``w``, starts a fresh one and turns each of its envs' next result into a fault.
+
+    An episode under way is lost (reported truncated with its number ``k``); the
+    fresh env starts episode ``k + 1``, or ``k`` again if episode ``k`` had not
+    taken a step yet, so its episode numbers stay aligned with its group's.
+    """
     self.stats.restarts += 1
     self.stats.died += int(died)
     self.stats.hung += int(hung)
@@ -431,9 +487,12 @@ class EnvPool:
         continue
       lost = []
       if self._status[i] == "flight" or self._ep_length[i] > 0:
-        lost = [protocol.EpisodeStats(env_id=i, episode_return=float(self._ep_return[i]),
+        lost = [protocol.EpisodeStats(env_id=i, group=int(self._groups[i]),
+                                      episode=int(self._episode[i]),
+                                      episode_return=float(self._ep_return[i]),
                                       length=int(self._ep_length[i]), success=False,
                                       truncated=True)]
+        self._episode[i] += 1
         self.stats.truncated_by_fault += 1
       self._ep_return[i], self._ep_length[i] = 0.0, 0
       if self._status[i] == "ready":  # Its obs row is about to be overwritten.
@@ -621,8 +680,9 @@ class EnvPool:
       self._instruction[i] = text
       self.stats.chunks += 1
       self.stats.env_steps += steps
-      if terminated or truncated:
+      if terminated or truncated:  # The env auto-reset into its next episode.
         self._ep_return[i], self._ep_length[i] = 0.0, 0
+        self._episode[i] += 1
       else:
         self._ep_return[i] += reward
         self._ep_length[i] += steps

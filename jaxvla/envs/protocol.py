@@ -9,6 +9,15 @@ is one RL decision step; env steps are counted per executed action.
 Observations have one structure whatever the simulator (:class:`Observation`):
 images per camera, proprioceptive state, and the language instruction as text
 (tokenisation belongs to the policy).
+
+Group resets (GRPO): global env ``i`` of a run belongs to group ``i // G`` (``G``
+is ``env.group_size``, which must divide the number of envs). Every env counts its
+own episodes from 0, and its ``k``-th episode starts from an initial state that is
+a function of ``(reset seed, group, k)`` only, so the ``k``-th episodes of all the
+members of a group start alike, whenever each of them happens to auto-reset and
+whichever process steps it. :class:`EpisodeStats` carries ``group`` and
+``episode`` (``k``) so that a learner can gather each group's finished episodes.
+With ``G = 1`` every env is its own group: all episodes differ.
 """
 
 from __future__ import annotations
@@ -61,8 +70,21 @@ class Observation:
 
 @dataclasses.dataclass
 class EpisodeStats:
-  """Book-keeping of one finished episode."""
+  """Book-keeping of one finished episode.
+
+  Attributes:
+    env_id: the env that played it (index in the batch; global id in a pool).
+    group: the env's GRPO group (``env_id // group_size`` in a run's global ids).
+    episode: the episode's number ``k`` in that env (from 0 at ``reset``). The
+      ``k``-th episodes of a group's members start from the same initial state.
+    episode_return: summed reward.
+    length: env steps executed.
+    success: ended in success.
+    truncated: hit the time limit (or was lost to a worker restart).
+  """
   env_id: int
+  group: int
+  episode: int
   episode_return: float
   length: int
   success: bool
@@ -101,15 +123,70 @@ class VecEnv(Protocol):
 
   spec: EnvSpec
   num_envs: int
+  group_size: int  # G: envs i // G (global ids) share each episode's initial state.
 
-  def reset(self, seed: int) -> Observation:
-    """Resets every env; env ``i`` draws its episodes from ``seed`` and ``i``."""
+  def group_ids(self) -> np.ndarray:
+    """``int64 [B]``: the GRPO group of each env (``global env id // group_size``)."""
+
+  def reset(self, seed: int, first_episode: np.ndarray | None = None) -> Observation:
+    """Resets every env; env ``i``'s ``k``-th episode is fixed by ``(seed, group, k)``.
+
+    Args:
+      seed: episode seed (>= 0).
+      first_episode: ``int [B]`` number ``k`` of each env's first episode after
+        the reset (default 0; a pool restarting a worker continues its envs'
+        numbering, so that their later episodes still match their group's).
+    """
 
   def step_chunk(self, actions: np.ndarray) -> ChunkStep:
     """Executes ``actions`` ``float [B, H, A]`` (clipped to ``[-1, 1]``)."""
 
   def close(self) -> None:
     """Releases simulator resources."""
+
+
+def group_layout(group_size: int, num_envs: int, first_env_id: int = 0,
+                 total_envs: int | None = None) -> tuple[np.ndarray, int]:
+  """The GRPO groups of a batch of envs.
+
+  The batch's env ``j`` is global env ``first_env_id + j`` of ``total_envs``
+  (default: the batch is the whole run, ``first_env_id`` 0), in group
+  ``(first_env_id + j) // group_size``.
+
+  Returns:
+    ``(group ids int64 [num_envs], number of groups in the run)``.
+
+  Raises:
+    ValueError: naming ``env.group_size`` when it is not a positive divisor of
+      the run's env count, or when the batch does not fit in the run.
+  """
+  total = num_envs if total_envs is None else int(total_envs)
+  if (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
+      or group_size < 1):
+    raise ValueError(f"env.group_size={group_size!r} must be an integer >= 1")
+  group_size = int(group_size)
+  if total % group_size:
+    raise ValueError(f"env.group_size={group_size} must divide the number of envs "
+                     f"(num_envs={total})")
+  if total_envs is None and first_env_id != 0:
+    raise ValueError(f"first_env_id={first_env_id} needs total_envs (the run's env count) "
+                     "to place the batch's envs in their groups")
+  if first_env_id < 0 or first_env_id + num_envs > total:
+    raise ValueError(f"envs {first_env_id}..{first_env_id + num_envs - 1} are not all in "
+                     f"0..{total - 1} (total_envs={total})")
+  groups = (first_env_id + np.arange(num_envs, dtype=np.int64)) // group_size
+  return groups, total // group_size
+
+
+def check_first_episode(first_episode: np.ndarray | None, num_envs: int) -> np.ndarray:
+  """``first_episode`` of :meth:`VecEnv.reset` as ``int64 [B]`` (zeros when None)."""
+  if first_episode is None:
+    return np.zeros(num_envs, np.int64)
+  out = np.asarray(first_episode, np.int64).reshape(-1)
+  if out.shape != (num_envs,) or (out < 0).any():
+    raise ValueError(f"first_episode must be {num_envs} episode numbers >= 0, got "
+                     f"{np.asarray(first_episode).tolist()}")
+  return out.copy()
 
 
 def check_actions(actions: np.ndarray, num_envs: int, action_dim: int) -> np.ndarray:

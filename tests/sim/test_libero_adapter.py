@@ -61,21 +61,34 @@ def test_pool_chunks_shapes_rewards_and_upright_images():
     env.close()
 
 
-def test_time_limit_truncates_and_auto_resets():
-  env = libero_env.LiberoEnv("libero_spatial/0", 1, max_episode_steps=12, settle_steps=2)
+def test_time_limit_auto_reset_and_group_members_share_init_states():
+  # Two members of one GRPO group (G = 2): same init state (and fixtures) at every episode.
+  env = libero_env.LiberoEnv("libero_spatial/0", 2, image_size=32, max_episode_steps=12,
+                             settle_steps=2, group_size=2)
   try:
     assert env.spec.max_episode_steps == 12
-    env.reset(3)
-    assert env.init_state_index(0) == 4  # next episode: seed + i + count * 1
-    still = np.zeros((1, 10, 7))
+    assert env.group_ids().tolist() == [0, 0] and env.num_groups == 1
+    obs = env.reset(3)
+    assert env.init_state_index(0) == env.init_state_index(1) == 3  # seed + g + 1 * k, k = 0
+    assert env.init_state_index(0, 1) == 4  # episode 1
+    np.testing.assert_array_equal(obs.state[0], obs.state[1])
+    np.testing.assert_array_equal(obs.images[0], obs.images[1])
+    still = np.zeros((2, 10, 7))
     still[..., -1] = -1.0
-    assert env.step_chunk(still).steps.tolist() == [10]
+    moves = still.copy()
+    moves[1, :, 0] = 1.0  # env 1 moves its arm, env 0 stays
+    assert env.step_chunk(moves).steps.tolist() == [10, 10]
     r = env.step_chunk(still * 5.0)  # clipped to [-1, 1]
-    assert r.steps.tolist() == [2] and r.truncated.tolist() == [True]
+    assert r.steps.tolist() == [2, 2] and r.truncated.tolist() == [True, True]
     assert not r.terminated.any() and not r.success.any()
-    (ep,) = r.episodes
-    assert ep.length == 12 and ep.truncated and not ep.success and ep.episode_return == 0.0
-    assert env.t.tolist() == [0] and env.init_state_index(0) == 5
+    assert [(e.env_id, e.group, e.episode, e.length) for e in r.episodes] == [
+        (0, 0, 0, 12), (1, 0, 0, 12)]
+    assert all(e.truncated and not e.success and e.episode_return == 0.0 for e in r.episodes)
+    assert env.t.tolist() == [0, 0]
+    assert env.init_state_index(0) == env.init_state_index(1) == 4  # auto-reset: episode 1
+    np.testing.assert_array_equal(r.obs.state[0], r.obs.state[1])
+    np.testing.assert_array_equal(r.obs.images[0], r.obs.images[1])
+    assert not np.array_equal(r.obs.images[0], obs.images[0])  # another init state
   finally:
     env.close()
 

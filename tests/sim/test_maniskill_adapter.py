@@ -6,6 +6,7 @@ import pytest
 from configs import maniskill as maniskill_config
 from jaxvla import train
 from jaxvla.envs import make_vec_env
+from jaxvla.envs import maniskill as maniskill_env
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(600)]
 
@@ -27,6 +28,23 @@ def test_pool_rgb_chunks_shapes_and_rewards():
       assert not r.done.any()  # 10 of 50 steps, random actions do not succeed
     with pytest.raises(ValueError, match="action_dim=8"):
       env.step_chunk(np.zeros((2, 5, 7)))
+  finally:
+    env.close()
+
+
+def test_group_members_share_initial_states():
+  env = maniskill_env.ManiSkillCPU("PickCube-v1", 2, obs_mode="state", max_episode_steps=3,
+                                   group_size=2)
+  try:
+    assert env.group_ids().tolist() == [0, 0]
+    obs = env.reset(5)
+    np.testing.assert_array_equal(obs.state[0], obs.state[1])
+    actions = np.random.default_rng(0).uniform(-1, 1, (2, 5, 8))  # Different per env.
+    r = env.step_chunk(actions)  # Both time out after 3 steps and auto-reset: episode 1.
+    assert r.steps.tolist() == [3, 3]
+    assert [(e.group, e.episode) for e in r.episodes] == [(0, 0), (0, 0)]
+    np.testing.assert_array_equal(r.obs.state[0], r.obs.state[1])
+    assert not np.array_equal(r.obs.state[0], obs.state[0])  # A new cube and goal.
   finally:
     env.close()
 
