@@ -4,11 +4,13 @@ Variants (``--config=configs/default.py:VARIANT``):
   (none)  the full default run (CPU, ~minutes; reaches >= 0.8 success).
   smoke   a tiny budget for tests and quick checks of the whole loop.
   bc_only the warm start alone (no RL), for the RL-gain comparison.
+  bench   the pipeline benchmark's balanced setting: ColorReach with a slept long-tail
+          step latency in 8 env workers, sized so env and learner take similar time.
 """
 
 import ml_collections
 
-VARIANTS = ("", "smoke", "bc_only")
+VARIANTS = ("", "smoke", "bc_only", "bench")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -71,6 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.data = 1  # Learner mesh: data-parallel axis size.
   c.mesh.fsdp = -1  # Learner mesh: FSDP axis size (-1: every device data and tensor leave).
   c.mesh.tensor = 1  # Learner mesh: tensor-parallel axis size (heads / MLP hidden).
+  c.mesh.rollout_devices = ""  # Rollout devices: '' the learner's, 'N' the last N, '0.25', '6,7'.
   c.mesh.rules = (  # Logical axis -> mesh axes (model code names logical axes only).
       ("batch", ("data", "fsdp")),
       ("embed", "fsdp"),
@@ -104,6 +107,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.ppo.num_minibatches = 4  # Minibatches per pass.
   c.ppo.max_grad_norm = 1.0  # Global gradient-norm clip.
   c.ppo.target_kl = 0.0  # Skip the rest of an update once approx. KL exceeds this (0: off).
+  c.ppo.algorithm = "ppo"  # 'ppo' (GAE, value head) or 'grpo' (group-normalised episode returns).
+  c.ppo.loss_normalizer = "trajectory"  # GRPO: 'chunks', 'trajectory' (1/|tau|) or 'constant' (1/K).
+  c.ppo.grpo_scale = True  # GRPO: divide by the group's return std (False: Dr. GRPO).
+  c.ppo.advantage_norm = "minibatch"  # Advantage normalisation: 'minibatch' stats or 'none'.
+  c.ppo.correction = "none"  # Off-policy correction: 'none', 'decoupled' or 'truncated_is'.
+  c.ppo.is_clip = 2.0  # Truncation of importance weights (decoupled: 0 for none; truncated_is).
+
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.mode = "sync_colocated"  # 'sync_colocated', 'sync_disaggregated' or 'async'.
+  c.pipeline.train_async = True  # async L1: rollout runs in parallel with training.
+  c.pipeline.rollout_async = True  # async L2: first-ready env batching (needs env_workers > 0).
+  c.pipeline.streamer = False  # async L3: streamed micro-batch learner (gradient accumulation).
+  c.pipeline.max_staleness = 1  # Train only on chunks at most this many versions old.
+  c.pipeline.staleness_control = "pace"  # Too-stale data: 'pace' the rollout or 'drop' (counted).
+  c.pipeline.queue_items = 8  # Trajectory queue capacity in items (a full queue blocks rollout).
+  c.pipeline.micro_batch_segments = 8  # Env segments per queue item (the streamer's micro-batch).
+  c.pipeline.b_max = 0  # L2: inference batch size trigger (0: half the envs).
+  c.pipeline.t_max_ms = 5.0  # L2: max wait after the first ready env before inferring.
+  c.pipeline.timeline = True  # Write workdir/timeline.json (stage intervals; plot with stages).
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_iters = 10  # Evaluate every N RL iterations (and at the start and end).
@@ -129,4 +151,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.log.progress = False
   elif variant == "bc_only":
     c.total_env_steps = 0
+  elif variant == "bench":
+    c.num_envs = 32
+    c.env_workers = 8
+    c.rollout_len = 4
+    c.env.latency_ms = 4.0
+    c.env.latency_sigma = 1.0
+    c.bc.num_steps = 0
+    c.ppo.num_epochs = 1
+    c.ppo.num_minibatches = 2
+    c.pipeline.micro_batch_segments = 8
+    c.pipeline.b_max = 16
+    c.log.progress = False
   return c

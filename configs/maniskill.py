@@ -31,6 +31,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.group_size = 1  # GRPO groups: envs i // G share each episode's init (1: no groups).
   c.model.image_size = 8 if variant == "state" else 0  # state: the 1x1 placeholder image -> one 8 px patch.
   c.model.chunk_len = 5  # Actions per chunk (ManiSkill default in the literature).
+  c.pipeline.micro_batch_segments = 2  # Env segments per queue item (divides num_envs).
   c.bc.num_steps = 0  # No scripted expert for ManiSkill tasks.
   c.ppo.num_minibatches = 2  # Minibatches per pass (num_envs * rollout_len = 32 chunks).
   c.eval.num_episodes = 4  # Evaluation episodes (each a full episode on CPU).

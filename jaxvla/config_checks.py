@@ -2,6 +2,7 @@
 
 import ml_collections
 
+from jaxvla import sharding
 from jaxvla.models import denoise
 
 
@@ -43,3 +44,99 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.eval.every_iters >= 1, "eval.every_iters", "must be >= 1")
   _require(c.eval.num_episodes >= 1, "eval.num_episodes", "must be >= 1")
   _require(c.checkpoint.every_iters >= 1, "checkpoint.every_iters", "must be >= 1")
+  _require(not c.model.init_checkpoint or c.model.name in ("pi0", "pi05"), "model.init_checkpoint",
+           f"openpi checkpoints hold pi0 / pi0.5 trees; model.name={c.model.name!r} cannot load "
+           f"{c.model.init_checkpoint!r}")
+  group = c.env.get("group_size", 1)
+  _require(isinstance(group, int) and group >= 1 and c.num_envs % group == 0, "env.group_size",
+           f"must be >= 1 and divide num_envs={c.num_envs}, got {group!r}")
+  _validate_mesh(c)
+  _validate_pipeline(c)
+
+
+def _validate_mesh(c: ml_collections.ConfigDict) -> None:
+  """``config.mesh``: sizes >= 1 or -1 (at most one -1) and well-formed rules."""
+  free = []
+  for name in sharding.MESH_AXES:
+    value = c.mesh[name]
+    _require(isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or value == -1),
+             f"mesh.{name}", f"must be a size >= 1 or -1 (the remaining devices), got {value!r}")
+    if value == -1:
+      free.append(name)
+  _require(len(free) <= 1, "mesh",
+           f"at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1, got -1 for {free}")
+  sharding.parse_rules(c.mesh.rules)  # Raises naming config.mesh.rules[i].
+
+
+def validate_batch_shards(c: ml_collections.ConfigDict, batch_shards: int) -> None:
+  """Batch sizes the learner mesh splits ``batch_shards`` ways must divide evenly.
+
+  Called once the mesh exists (its size depends on the devices, not the config alone).
+  """
+  where = f"the {batch_shards} batch shards of config.mesh (data x fsdp)"
+  _require(c.num_envs % batch_shards == 0, "num_envs",
+           f"{c.num_envs} is not divisible by {where}")
+  mb = c.num_envs * c.rollout_len // c.ppo.num_minibatches
+  _require(mb % batch_shards == 0, "ppo.num_minibatches",
+           f"minibatches of num_envs * rollout_len / num_minibatches = {mb} chunks are not "
+           f"divisible by {where}")
+  _require(c.bc.num_steps == 0 or c.bc.batch_size % batch_shards == 0, "bc.batch_size",
+           f"{c.bc.batch_size} is not divisible by {where}")
+
+
+def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
+  """``config.pipeline`` and the ``ppo`` fields it interacts with."""
+  from jaxvla.algorithms import ppo  # pylint: disable=import-outside-toplevel
+  p = c.pipeline
+  modes = ("sync_colocated", "sync_disaggregated", "async")
+  _require(p.mode in modes, "pipeline.mode", f"must be one of {modes}, got {p.mode!r}")
+  _require(p.staleness_control in ("drop", "pace"), "pipeline.staleness_control",
+           f"must be 'drop' or 'pace', got {p.staleness_control!r}")
+  _require(p.max_staleness >= 0, "pipeline.max_staleness", f"must be >= 0, got {p.max_staleness}")
+  _require(p.queue_items >= 1, "pipeline.queue_items", f"must be >= 1, got {p.queue_items}")
+  m = p.micro_batch_segments
+  _require(m >= 1 and c.num_envs % m == 0, "pipeline.micro_batch_segments",
+           f"must be >= 1 and divide num_envs={c.num_envs}, got {m}")
+  _require(p.b_max >= 0 and p.b_max <= c.num_envs, "pipeline.b_max",
+           f"must be in [0, num_envs={c.num_envs}] (0: half the envs), got {p.b_max}")
+  _require(p.t_max_ms >= 0, "pipeline.t_max_ms", f"must be >= 0, got {p.t_max_ms}")
+  _require(p.mode != "sync_colocated" or not c.mesh.rollout_devices, "mesh.rollout_devices",
+           "sync_colocated runs rollout on the learner's devices; leave it '' or use "
+           "pipeline.mode='sync_disaggregated' / 'async'")
+  on = p.mode == "async"
+  _require(c.ppo.algorithm in ("ppo", "grpo"), "ppo.algorithm",
+           f"must be 'ppo' or 'grpo', got {c.ppo.algorithm!r}")
+  if c.ppo.algorithm == "grpo":
+    from jaxvla.algorithms import grpo  # pylint: disable=import-outside-toplevel
+    g = c.env.group_size
+    _require(g >= 2, "env.group_size", f"GRPO compares G >= 2 episodes per group, got {g}")
+    _require(c.ppo.loss_normalizer in grpo.NORMALIZERS, "ppo.loss_normalizer",
+             f"must be one of {grpo.NORMALIZERS}, got {c.ppo.loss_normalizer!r}")
+    _require(not (on and p.streamer) or c.ppo.loss_normalizer != "chunks",
+             "ppo.loss_normalizer", "the streamer needs per-episode weights known in advance: "
+             "'trajectory' or 'constant', not 'chunks'")
+    groups = c.num_envs // g
+    _require(groups % c.ppo.num_minibatches == 0 if (on and p.streamer)
+             else c.num_envs % c.ppo.num_minibatches == 0, "ppo.num_minibatches",
+             f"must divide the update's {groups} groups (streamer) / {c.num_envs} episodes")
+  _require(not (on and p.rollout_async) or c.env_workers > 0, "pipeline.rollout_async",
+           "first-ready env batching needs the env pool: set env_workers > 0 (or "
+           "pipeline.rollout_async=False)")
+  _require(c.ppo.correction in ppo.CORRECTIONS, "ppo.correction",
+           f"must be one of {ppo.CORRECTIONS}, got {c.ppo.correction!r}")
+  _require(c.ppo.correction != "truncated_is" or c.ppo.is_clip > 0, "ppo.is_clip",
+           "truncated_is needs is_clip > 0")
+  _require(c.ppo.advantage_norm in ("minibatch", "none"), "ppo.advantage_norm",
+           f"must be 'minibatch' or 'none', got {c.ppo.advantage_norm!r}")
+  if on and p.streamer:
+    items = c.num_envs // m
+    _require(c.ppo.num_epochs == 1, "ppo.num_epochs",
+             "the streamer makes one pass over each batch as it arrives: set ppo.num_epochs=1")
+    _require(c.ppo.algorithm == "grpo" or items % c.ppo.num_minibatches == 0,
+             "ppo.num_minibatches",
+             f"the streamer's minibatches are groups of queue items: num_envs / "
+             f"micro_batch_segments = {items} items must divide into {c.ppo.num_minibatches}")
+    _require(c.ppo.advantage_norm == "none", "ppo.advantage_norm",
+             "minibatch statistics are not known until the last micro-batch arrives; the "
+             "streamer needs advantage_norm='none'")
+    _require(c.ppo.target_kl == 0, "ppo.target_kl", "the streamer does not support target_kl")

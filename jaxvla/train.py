@@ -3,15 +3,19 @@
 ``train_and_evaluate(config, workdir)`` is the whole job; ``jaxvla.main`` only
 parses flags. Env steps counted in ``env_steps`` are RL rollout steps (the run's
 budget, ``config.total_env_steps``); demonstration and evaluation steps are
-reported separately.
+reported separately. The learner runs on a ``('data', 'fsdp', 'tensor')`` mesh
+of this host's devices (``config.mesh``; one device on a plain CPU run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -19,12 +23,13 @@ import ml_collections
 import numpy as np
 
 from jaxvla import checkpoint as checkpoint_lib
-from jaxvla import config_checks, metrics as metrics_lib
+from jaxvla import config_checks, metrics as metrics_lib, sharding as sharding_lib
 from jaxvla.data import demos
 from jaxvla.envs import make_env, make_vec_env
 from jaxvla.learner import learner as learner_lib
-from jaxvla.models import policy as policy_lib
+from jaxvla.models import openpi_import, policy as policy_lib
 from jaxvla.rollout import collector as collector_lib
+from jaxvla.runtime import pipeline as pipeline_lib
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,10 @@ class RunState:
   warm_start_success_rate: float | None = None
   warm_start_eval: dict | None = None
   bc_wall_s: float = 0.0
+  # Rollout data produced but not yet trained on when the checkpoint was written
+  # (queued or being collected); a resume from it discards (re-collects) them.
+  in_flight_segments: int = 0
+  in_flight_chunks: int = 0
 
 
 @dataclasses.dataclass
@@ -50,20 +59,39 @@ class Setup:
   eval_env: object
   writer: metrics_lib.MetricWriter
   checkpointer: checkpoint_lib.Checkpointer
+  rollout_sharding: object = None
 
 
 def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
   policy = policy_lib.make_policy(config.model, spec)
+  # The learner mesh: this host's learner devices (config.mesh.{data,fsdp,tensor}); the
+  # rollout acts on config.mesh.rollout_devices (by default the same devices).
+  learner_devices, rollout_devices = sharding_lib.split_devices(config.mesh.rollout_devices,
+                                                                jax.local_devices())
+  mesh = sharding_lib.make_mesh(config.mesh, learner_devices)
+  config_checks.validate_batch_shards(config, sharding_lib.num_batch_shards(mesh,
+                                                                            config.mesh.rules))
+  log.info("learner mesh %s on %d devices; rollout on %d devices", dict(mesh.shape),
+           len(learner_devices), len(rollout_devices))
   return Setup(
+      rollout_sharding=sharding_lib.rollout_sharding(rollout_devices),
       policy=policy,
-      learner=learner_lib.Learner(policy, config.bc, config.ppo),
+      learner=learner_lib.Learner(policy, config.bc, config.ppo, mesh=mesh,
+                                  rules=config.mesh.rules),
       act_train=jax.jit(functools.partial(policy.act, mode="train")),
       act_eval=jax.jit(functools.partial(policy.act, mode="eval")),
       value_fn=jax.jit(policy.value),
-      eval_env=make_env(config.env, config.eval.num_episodes, config.seed + 1),
+      # Evaluation and demonstrations play independent episodes (no GRPO groups).
+      eval_env=make_env(config.env, config.eval.num_episodes, config.seed + 1, group_size=1),
       writer=metrics_lib.MetricWriter(workdir),
       checkpointer=checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                                config.checkpoint.max_to_keep))
+
+
+def _eval_policy_name(config) -> str:
+  if config.model.name == "action_token_vla":
+    return "greedy (argmax) token decoding"
+  return f"the '{config.model.eval_sampler}' sampler"
 
 
 def _evaluate(config, s: Setup, params, rng) -> dict[str, float]:
@@ -76,12 +104,12 @@ def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
   """Behaviour cloning on scripted-expert demonstrations; returns params and figures."""
   if config.bc.num_steps == 0:
     return params, {}
-  demo_env = make_env(config.env, config.num_envs, config.seed + 2)
+  demo_env = make_env(config.env, config.num_envs, config.seed + 2, group_size=1)
   data = demos.collect_expert_demos(demo_env, s.policy, num_episodes=config.bc.num_episodes,
                                     noise=config.bc.demo_noise, speed=config.bc.expert_speed,
                                     seed=config.seed + 2)
   demo_env.close()
-  state = learner_lib.init_state(params, s.learner.bc_tx, rng)
+  state = s.learner.shard_state(learner_lib.init_state(params, s.learner.bc_tx, rng))
   n = data["actions"].shape[0]
   sampler = np.random.default_rng(config.seed + 3)
   losses = []
@@ -102,27 +130,65 @@ def _initial_state(config, s: Setup, rng) -> tuple[learner_lib.TrainState, RunSt
   init_key, bc_key, ppo_key, eval_key = jax.random.split(rng, 4)
   step = s.checkpointer.latest_step()
   if config.resume and step is not None:
-    # The restore target's structure, computed abstractly (nothing is allocated).
+    # The restore target's structure and shardings, computed abstractly (nothing is
+    # allocated); orbax reads every array straight into its shards.
     abstract = jax.eval_shape(lambda: learner_lib.init_state(
         s.policy.init(init_key), s.learner.ppo_tx, ppo_key))
+    abstract = sharding_lib.with_shardings(abstract, s.learner.state_shardings(abstract))
     state, meta = s.checkpointer.restore(step, abstract)
-    log.info("resumed from checkpoint %d (env_steps=%d)", step, meta["env_steps"])
-    return state, RunState(**meta)
+    run = RunState(**meta)
+    log.info("resumed from checkpoint %d (policy version %d, env_steps=%d); discarded %d "
+             "in-flight env segments (%d chunks) that were queued or being collected when it "
+             "was written", step, int(state.step), run.env_steps, run.in_flight_segments,
+             run.in_flight_chunks)
+    return state, run
   if step is not None:
     raise FileExistsError(
         f"the workdir already holds checkpoint {step}; pass --config.resume=True to "
         "continue it or choose another --workdir")
   t0 = time.perf_counter()
-  params, bc_metrics = warm_start(config, s, s.policy.init(init_key), bc_key)
+  # Fresh, or openpi's weights (config.model.init_checkpoint) read straight into
+  # their shards, with fresh RL heads.
+  params = openpi_import.init_params(s.policy, init_key, config.model.init_checkpoint,
+                                     s.learner.param_shardings)
+  params, bc_metrics = warm_start(config, s, params, bc_key)
   run = RunState(bc_wall_s=time.perf_counter() - t0)
   run.warm_start_eval = _evaluate(config, s, params, eval_key)
   run.warm_start_success_rate = run.warm_start_eval["success_rate"]
   s.writer.write(0, "warm_start", dict(bc_metrics, **run.warm_start_eval,
                                        wall_s=run.bc_wall_s))
   log.info("warm start: %s eval=%s", bc_metrics, run.warm_start_eval)
-  state = learner_lib.init_state(params, s.learner.ppo_tx, ppo_key)
+  state = s.learner.shard_state(learner_lib.init_state(params, s.learner.ppo_tx, ppo_key))
   s.checkpointer.save(0, state, dataclasses.asdict(run))
   return state, run
+
+
+def _save(s: Setup, run: RunState, state, pipe: pipeline_lib.Pipeline) -> None:
+  flight = pipe.in_flight()
+  run.in_flight_segments, run.in_flight_chunks = (flight["in_flight_segments"],
+                                                  flight["in_flight_chunks"])
+  if s.checkpointer.latest_step() != run.iteration:
+    s.checkpointer.save(run.iteration, state, dataclasses.asdict(run))
+
+
+@contextlib.contextmanager
+def _stop_on_sigint(pipe: pipeline_lib.Pipeline):
+  """First Ctrl-C: stop after the current update (then a checkpoint is saved);
+  a second one interrupts at once. Only in the main thread."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handler(signum, frame):
+    signal.signal(signal.SIGINT, previous)
+    log.warning("Ctrl-C: stopping after the current update (again to abort now)")
+    pipe.request_stop()
+
+  previous = signal.signal(signal.SIGINT, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -138,40 +204,57 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   s = _build(config, workdir, env.spec)
   setup_key, rollout_key, eval_key = jax.random.split(rng, 3)
   state, run = _initial_state(config, s, setup_key)
-  collector = collector_lib.Collector(env, s.policy, s.act_train, s.value_fn,
-                                      seed=config.seed + run.iteration)
+  pipe = pipeline_lib.Pipeline(config, s.policy, s.learner, env, s.act_train, s.value_fn,
+                               s.rollout_sharding, jax.random.fold_in(rollout_key, run.iteration),
+                               seed=config.seed + run.iteration)
+  resumed_at = run.env_steps
+  discarded = dict(segments=run.in_flight_segments, chunks=run.in_flight_chunks)
   progress = metrics_lib.Progress(config.total_env_steps, run.env_steps, config.log.progress)
   last_eval = run.warm_start_eval
   rl_start, rl_start_steps = time.perf_counter(), run.env_steps
-  try:
-    while run.env_steps < config.total_env_steps:
-      key = jax.random.fold_in(rollout_key, run.iteration)
-      traj = collector.collect(state.params, config.rollout_len, key,
-                               policy_version=int(state.step))
-      t0 = time.perf_counter()
-      state, train_metrics = s.learner.ppo_update(state, traj)
-      train_metrics = jax.device_get(train_metrics)
-      learner_s = time.perf_counter() - t0
-      run.iteration += 1
-      run.env_steps += traj.num_env_steps
-      sps = (run.env_steps - rl_start_steps) / (time.perf_counter() - rl_start)
-      s.writer.write(run.env_steps, "train", dict(
-          train_metrics, **collector.episodes.summary(), env_steps_per_s=sps,
-          learner_s=learner_s, **collector.timing))
-      done = run.env_steps >= config.total_env_steps
-      if run.iteration % config.eval.every_iters == 0 or done:
-        last_eval = _evaluate(config, s, state.params, jax.random.fold_in(eval_key, run.iteration))
-        s.writer.write(run.env_steps, "eval", last_eval)
-      if run.iteration % config.checkpoint.every_iters == 0 or done:
-        s.checkpointer.save(run.iteration, state, dataclasses.asdict(run))
-      progress.update(run.env_steps, sps=sps,
-                      success=collector.episodes.summary().get("success_rate", 0.0),
-                      eval=last_eval["success_rate"], loss=train_metrics["loss"])
-  finally:
-    progress.close()
-    s.checkpointer.close()
-    env.close()
-    s.eval_env.close()
+  last = dict(state=state, t=time.perf_counter(), clock=0.0)
+
+  def on_update(info: pipeline_lib.UpdateInfo) -> None:
+    nonlocal last_eval
+    state = last["state"] = info.state
+    now = time.perf_counter()
+    learner_s, last["t"] = now - last["t"], now
+    run.iteration += 1
+    run.env_steps += info.env_steps + info.dropped_env_steps
+    sps = pipe.rollout.env_steps / (now - rl_start)
+    episodes = pipe.rollout.episodes.summary()
+    window = pipe.metrics(since=last["clock"])
+    last["clock"] = pipe.clock.elapsed()
+    s.writer.write(run.env_steps, "train", dict(
+        info.metrics, **episodes, env_steps_per_s=sps, iteration_s=learner_s,
+        dropped_env_steps=info.dropped_env_steps, **window))
+    done = run.env_steps >= config.total_env_steps
+    if run.iteration % config.eval.every_iters == 0 or done:
+      last_eval = _evaluate(config, s, state.params, jax.random.fold_in(eval_key, run.iteration))
+      s.writer.write(run.env_steps, "eval", last_eval)
+    if run.iteration % config.checkpoint.every_iters == 0 or done:
+      _save(s, run, state, pipe)
+    progress.update(run.env_steps, sps=sps, success=episodes.get("success_rate", 0.0),
+                    eval=last_eval["success_rate"], loss=info.metrics["loss"])
+
+  with _stop_on_sigint(pipe):
+    try:
+      state = pipe.run(state, run.env_steps, config.total_env_steps, on_update)
+    finally:
+      progress.close()
+      pipe.stop()
+      if pipe.interrupted:  # Ctrl-C: the last finished update's state is saved.
+        state = last["state"]
+        _save(s, run, state, pipe)
+        log.warning("interrupted: saved checkpoint %d (policy version %d); rerun with "
+                    "--config.resume=True to continue", run.iteration, int(state.step))
+      s.checkpointer.close()
+      env.close()
+      s.eval_env.close()
+  pipeline_metrics = pipe.metrics()
+  s.writer.write(run.env_steps, "pipeline", pipeline_metrics)
+  if config.pipeline.timeline:
+    pipe.clock.to_json(os.path.join(workdir, "timeline.json"))
   export_dir = checkpoint_lib.export_policy(os.path.join(workdir, "export"), state.params,
                                             config.to_json_best_effort())
   wall_s = time.perf_counter() - t_start
@@ -182,10 +265,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                / max(time.perf_counter() - rl_start, 1e-9), 2),
       success_rate=last_eval["success_rate"],
       success_rate_source=(f"evaluation of {int(last_eval['num_episodes'])} fixed-seed episodes "
-                           f"with the '{config.model.eval_sampler}' sampler"),
+                           f"with {_eval_policy_name(config)}"),
       warm_start_success_rate=run.warm_start_success_rate,
-      train_success_rate_recent=collector.episodes.summary().get("success_rate"),
-      iterations=run.iteration, policy_version=int(state.step), export_dir=export_dir)
+      train_success_rate_recent=pipe.rollout.episodes.summary().get("success_rate"),
+      iterations=run.iteration, policy_version=int(state.step), export_dir=export_dir,
+      pipeline=pipe.mode_name, rollout_env_steps=pipe.rollout.env_steps,
+      dropped_env_steps=pipe.queue.stats.dropped_env_steps,
+      staleness_mean=pipeline_metrics.get("staleness_mean", 0.0),
+      discarded_on_resume=discarded if resumed_at else None,
+      interrupted=pipe.interrupted)
   s.writer.write(run.env_steps, "summary", {k: v for k, v in summary.items()
                                             if isinstance(v, (int, float)) and k != "env_steps"})
   s.writer.close()

@@ -59,6 +59,8 @@ def test_locked_config_rejects_new_fields():
     ("model.train_sampler", "ode", "config.model.train_sampler"),
     ("ppo.num_minibatches", 7, "config.ppo.num_minibatches"),
     ("model.chunk_len", 500, "config.model.chunk_len"),
+    ("env.group_size", 3, "config.env.group_size"),
+    ("mesh.tensor", 0, "config.mesh.tensor"),
 ])
 def test_inconsistent_values_name_the_key(key, value, match):
   c = default.get_config()
@@ -68,4 +70,11 @@ def test_inconsistent_values_name_the_key(key, value, match):
     node = node[p]
   node[last] = value
   with pytest.raises(ValueError, match=match):
+    config_checks.validate(c)
+
+
+def test_init_checkpoint_needs_a_pi0_family_model():
+  c = default.get_config()
+  c.model.name, c.model.init_checkpoint = "action_token_vla", "ckpt/params"
+  with pytest.raises(ValueError, match="config.model.init_checkpoint"):
     config_checks.validate(c)

@@ -167,3 +167,30 @@ def test_tiny_variants_train_in_the_loop(tmp_path, smoke_config, name, value_sou
   with open(tmp_path / "run" / "metrics.jsonl") as f:
     losses = [r["loss"] for r in map(json.loads, f) if r["phase"] == "train"]
   assert len(losses) == summary["iterations"] and np.all(np.isfinite(losses))
+
+
+def test_init_checkpoint_starts_the_run(tmp_path, smoke_config):
+  """``model.init_checkpoint``: the run starts from the openpi-layout weights (its
+  step-0 checkpoint holds them exactly) with fresh RL heads."""
+  from jaxvla import checkpoint as checkpoint_lib, train
+  from jaxvla.learner import learner as learner_lib
+  _, pol, written = _policy(smoke_config, "pi0", posemb="learn")
+  written = jax.tree.map(lambda x: x + 0.01, written)  # Not what init(PRNGKey) gives.
+  with ocp.PyTreeCheckpointer() as ckptr:
+    ckptr.save(str(tmp_path / "params"), {"params": {k: v for k, v in written.items()
+                                                     if k != "rl"}})
+  smoke_config.model.init_checkpoint = str(tmp_path / "params")
+  smoke_config.bc.num_steps = 0
+  smoke_config.total_env_steps = 1
+  train.train_and_evaluate(smoke_config, str(tmp_path / "run"))
+  abstract = jax.eval_shape(lambda: learner_lib.init_state(
+      written, learner_lib.make_optimizer(1e-3, 1.0), jax.random.PRNGKey(0)))
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "run" / "checkpoints"), 5)
+  state, _ = ckpt.restore(0, abstract)
+  ckpt.close()
+  got = openpi_import.flatten(jax.device_get(state.params))
+  want = openpi_import.flatten(written)
+  for path, value in want.items():
+    if not path.startswith("rl/"):
+      np.testing.assert_array_equal(got[path], value, err_msg=path)
+  assert any(not np.array_equal(got[p], want[p]) for p in want if p.startswith("rl/"))

@@ -1,38 +1,152 @@
-"""PPO's clipped surrogate, value loss and entropy bonus on action chunks (pure)."""
+"""PPO's clipped surrogate, off-policy corrections, value loss and entropy bonus (pure).
+
+One loss over action chunks, with three ways to treat data that was not
+sampled by the current parameters (``CORRECTIONS``):
+
+* ``"none"``: the standard clipped surrogate around the behaviour policy.
+* ``"decoupled"``: decoupled PPO (Hilton et al. 2021, "Batch size-invariance
+  for policy optimization"): the trust region is around the *proximal* policy
+  (the params at the start of the update) and the behaviour-to-proximal gap
+  is corrected by a stop-gradient importance weight, optionally truncated.
+* ``"truncated_is"``: an off-policy policy gradient with truncated importance
+  weights (IMPALA's rho-bar), no clipping.
+
+Every term is a weighted *sum* over chunks, so that a streamed learner can add
+up micro-batch gradients: with global weights (e.g. ``1 / N_global`` on each
+chunk) the sum of the micro-batch losses is the loss of the whole batch.
+"""
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 
+CORRECTIONS = ("none", "decoupled", "truncated_is")
+
+
+def _check_correction(correction: str, proximal_log_prob: jax.Array | None,
+                      is_clip: float) -> None:
+  """Raises ValueError naming what is wrong with the correction's arguments."""
+  if correction not in CORRECTIONS:
+    raise ValueError(f"unknown ppo correction {correction!r}; choose one of {CORRECTIONS}")
+  if correction == "decoupled" and proximal_log_prob is None:
+    raise ValueError("ppo correction 'decoupled' needs proximal_log_prob (the log-prob under "
+                     "the params at the start of the update)")
+  if correction == "truncated_is" and not is_clip > 0:
+    raise ValueError(f"ppo correction 'truncated_is' needs is_clip > 0, got is_clip={is_clip}")
+
+
+def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: jax.Array,
+                  advantages: jax.Array, *, correction: str, clip_eps: float,
+                  is_clip: float) -> tuple[jax.Array, ...]:
+  """Per-chunk policy loss and its diagnostics; every input and output is ``[N]``.
+
+  Returns:
+    ``(loss, log_ratio, is_weight, truncated)``: the policy loss of each chunk,
+    the log-ratio of the current to the ratio's reference policy (behaviour, or
+    proximal for "decoupled"), the importance weight applied and whether that
+    weight was truncated at ``is_clip`` (float 0/1).
+  """
+  if correction == "truncated_is":
+    log_ratio = new_log_prob - old_log_prob
+    rho_raw = jax.lax.stop_gradient(jnp.exp(log_ratio))
+    rho = jnp.minimum(rho_raw, is_clip)
+    return (-rho * advantages * new_log_prob, log_ratio, rho,
+            (rho_raw > is_clip).astype(jnp.float32))
+  if correction == "decoupled":
+    log_ratio = new_log_prob - proximal
+    w_raw = jax.lax.stop_gradient(jnp.exp(proximal - old_log_prob))
+    w = jnp.minimum(w_raw, is_clip) if is_clip > 0 else w_raw
+    truncated = (w_raw > is_clip) if is_clip > 0 else jnp.zeros_like(w_raw, bool)
+  else:
+    log_ratio = new_log_prob - old_log_prob
+    w = jnp.ones_like(log_ratio)
+    truncated = jnp.zeros_like(log_ratio, bool)
+  ratio = jnp.exp(log_ratio)
+  surrogate = jnp.minimum(ratio * advantages,
+                          jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
+  return -w * surrogate, log_ratio, w, truncated.astype(jnp.float32)
+
 
 def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array,
              new_value: jax.Array, returns: jax.Array, entropy: jax.Array, *,
-             clip_eps: float, value_coef: float,
-             entropy_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """PPO loss over a minibatch; every input is ``[N]`` (one entry per chunk).
+             clip_eps: float, value_coef: float, entropy_coef: float,
+             weights: jax.Array | None = None, correction: str = "none",
+             proximal_log_prob: jax.Array | None = None,
+             is_clip: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """PPO loss over a (micro-)batch of ``N`` chunks, as a weighted sum.
 
-  The ratio is between the current and the behaviour log-probability of the
-  whole chunk (for flow policies, of the whole denoise chain).
+  Every ratio is between log-probabilities of the whole chunk (for flow
+  policies, of the whole denoise chain). The loss and every metric are
+  ``sum_i weights_i * l_i``; ``weights=None`` means ``1 / N`` each (means over
+  the batch). Because the sum is linear in the chunks, a streamed learner that
+  gives every chunk its *global* weight (e.g. ``1 / N_global``) gets the
+  whole batch's loss, gradient and metrics by adding up its micro-batches'.
+  Padding chunks get weight 0: they contribute exactly 0 (also to the
+  gradient) whatever finite values their other inputs hold.
+
+  Args:
+    new_log_prob: ``[N]`` log-prob under the params being optimised.
+    old_log_prob: ``[N]`` behaviour log-prob (the params that sampled the chunk).
+    advantages: ``[N]`` advantage estimates.
+    new_value: ``[N]`` value predictions under the params being optimised.
+    returns: ``[N]`` value targets.
+    entropy: ``[N]`` entropy (estimate) of the current policy per chunk.
+    clip_eps: PPO ratio clip (unused by "truncated_is" except in ``clip_frac``).
+    value_coef: weight of the value loss (0 when there is no value head, GRPO).
+    entropy_coef: weight of the entropy bonus.
+    weights: ``[N]`` per-chunk weights, or None for ``1 / N`` each.
+    correction: one of ``CORRECTIONS`` (see the module docstring).
+    proximal_log_prob: ``[N]`` log-prob under the params at the start of the
+      update (no gradient flows into it); needed by "decoupled", ignored otherwise.
+    is_clip: truncation of the importance weight: "decoupled" truncates at it
+      when ``> 0``; "truncated_is" requires ``> 0``; "none" ignores it.
 
   Returns:
-    the scalar loss and a dict of diagnostics (also scalars).
+    the scalar loss and scalar diagnostics: ``policy_loss``, ``value_loss``
+    (``0.5 * sum w (v - R)^2``), ``entropy``, ``approx_kl`` (k3 estimate of the
+    KL between the current policy and the ratio's reference: behaviour, or
+    proximal for "decoupled"), ``clip_frac`` (weight of chunks whose ratio left
+    ``[1 - clip_eps, 1 + clip_eps]``), ``is_weight`` (weighted mean importance
+    weight applied: 1 for "none") and ``is_truncated_frac`` (weight of chunks
+    whose importance weight was truncated at ``is_clip``).
+
+  Raises:
+    ValueError: naming an unknown ``correction``, a missing
+      ``proximal_log_prob`` for "decoupled", or ``is_clip <= 0`` for "truncated_is".
   """
-  log_ratio = new_log_prob - old_log_prob
+  _check_correction(correction, proximal_log_prob, is_clip)
+  n = new_log_prob.shape[0]
+  weights = (jnp.full((n,), 1.0 / n, jnp.float32) if weights is None
+             else jnp.asarray(weights, jnp.float32))
+  live = weights != 0
+  # Zero the inputs of weight-0 chunks *before* any exp: a masked term whose ratio
+  # overflowed would otherwise put 0 * inf = NaN into the gradient.
+  live_or_zero = lambda x: jnp.where(live, x, 0.0)
+  new_log_prob, old_log_prob, advantages, new_value, returns, entropy = map(
+      live_or_zero, (new_log_prob, old_log_prob, advantages, new_value, returns, entropy))
+  proximal = (new_log_prob if proximal_log_prob is None
+              else live_or_zero(jax.lax.stop_gradient(proximal_log_prob)))
+  wsum = lambda x: jnp.sum(jnp.where(live, weights * x, 0.0))
+
+  pg, log_ratio, is_weight, truncated = _policy_terms(
+      new_log_prob, old_log_prob, proximal, advantages, correction=correction,
+      clip_eps=clip_eps, is_clip=is_clip)
   ratio = jnp.exp(log_ratio)
-  unclipped = ratio * advantages
-  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-  policy_loss = -jnp.mean(jnp.minimum(unclipped, clipped))
-  value_loss = 0.5 * jnp.mean(jnp.square(new_value - returns))
-  entropy_mean = jnp.mean(entropy)
-  loss = policy_loss + value_coef * value_loss - entropy_coef * entropy_mean
+  policy_loss = wsum(pg)
+  value_loss = 0.5 * wsum(jnp.square(new_value - returns))
+  entropy_sum = wsum(entropy)
+  loss = policy_loss + value_coef * value_loss - entropy_coef * entropy_sum
   metrics = dict(
-      policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_mean,
-      approx_kl=jnp.mean(ratio - 1.0 - log_ratio),
-      clip_frac=jnp.mean((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32)))
+      policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum,
+      approx_kl=wsum(jax.lax.stop_gradient(ratio - 1.0 - log_ratio)),
+      clip_frac=wsum((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32)),
+      is_weight=wsum(is_weight), is_truncated_frac=wsum(truncated))
   return loss, metrics
 
 
 def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
-  """The ``ppo`` sub-config's loss coefficients as keyword arguments."""
+  """The ``ppo`` sub-config's loss coefficients and correction as keyword arguments."""
   return dict(clip_eps=config.clip_eps, value_coef=config.value_coef,
-              entropy_coef=config.entropy_coef)
+              entropy_coef=config.entropy_coef,
+              correction=config.correction,
+              is_clip=config.is_clip)

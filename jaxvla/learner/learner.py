@@ -1,8 +1,17 @@
 """The learner: train state, the behaviour-cloning step and the PPO update.
 
-Two jit boundaries live here: ``bc_step`` (one supervised step) and
-``ppo_update`` (all epochs and minibatches of one rollout, as ``lax.scan``s).
-Both donate the train state.
+Jit boundaries: ``bc_step`` (one supervised step), ``ppo_update`` (all epochs
+and minibatches of one rollout, as ``lax.scan``s), and the streamed learner's
+three (``micro_grads`` of one micro-batch as it arrives, ``accumulate``, and
+``apply``, one optimizer update from the summed gradients, equal to a
+one-minibatch ``ppo_update`` of the same data). Updates donate the train state.
+
+With a mesh (``Learner(..., mesh=, rules=)``) both are jitted with explicit
+shardings: params by their logical axes (:mod:`jaxvla.sharding`), optimizer
+moments like their params, scalars and PRNG keys replicated, and data split on
+its batch dimension (the env dimension of a time-major trajectory). Callers
+place the state with :meth:`Learner.shard_state` (or restore it onto
+:meth:`Learner.state_shardings`). Without a mesh nothing changes.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import ml_collections
 import optax
 from flax import struct
 
+from jaxvla import sharding as sharding_lib
 from jaxvla.algorithms import gae, ppo
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import trajectory as trajectory_lib
@@ -50,18 +60,96 @@ class Learner:
   """Owns the optimizers and the jitted update functions for one policy.
 
   Args:
-    policy: the policy contract.
+    policy: the policy contract (with ``logical_axes()`` when a mesh is given).
     bc_config: the ``bc`` sub-config; ppo_config: the ``ppo`` sub-config.
+    mesh: the learner mesh (``jaxvla.sharding.make_mesh``); None: unsharded jit.
+    rules: ``config.mesh.rules`` (required with a mesh).
   """
 
   def __init__(self, policy: policy_lib.Policy, bc_config: ml_collections.ConfigDict,
-               ppo_config: ml_collections.ConfigDict):
+               ppo_config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None,
+               rules: sharding_lib.Rules | None = None):
     self.policy = policy
     self.ppo_config = ppo_config
     self.bc_tx = make_optimizer(bc_config.learning_rate, ppo_config.max_grad_norm)
     self.ppo_tx = make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm)
-    self.bc_step = jax.jit(self._bc_step, donate_argnums=0)
-    self.ppo_update = jax.jit(self._ppo_update, donate_argnums=0)
+    self.mesh, self.rules = mesh, rules
+    if mesh is None:
+      self.bc_step = jax.jit(self._bc_step, donate_argnums=0)
+      self.ppo_update = jax.jit(self._ppo_update, donate_argnums=0)
+      self._micro_grads_jit = jax.jit(self._micro_grads)
+      self._add_jit = jax.jit(self._add, donate_argnums=0)
+      self._apply_jit = jax.jit(self._apply, donate_argnums=0, static_argnums=2)
+      return
+    if rules is None:
+      raise ValueError("Learner: a mesh needs sharding rules (config.mesh.rules)")
+    self.batch_shards = sharding_lib.num_batch_shards(mesh, rules)
+    self._abstract_params = abstract_params = policy.abstract_params()
+    self.param_shardings = sharding_lib.param_shardings(policy.logical_axes(), abstract_params,
+                                                        mesh, rules)
+    abstract_state = lambda tx: jax.eval_shape(
+        lambda p, k: init_state(p, tx, k), abstract_params, jax.random.PRNGKey(0))
+    bc_sh = self.state_shardings(abstract_state(self.bc_tx))
+    ppo_sh = self.state_shardings(abstract_state(self.ppo_tx))
+    rep = sharding_lib.replicated(mesh)
+    data = sharding_lib.batch_sharding(mesh, rules)  # [N, ...]: N split.
+    steps = sharding_lib.batch_sharding(mesh, rules, batch_dim=1)  # [T, B, ...]: B split.
+    traj_sh = trajectory_lib.Trajectory(
+        batch=steps, chain=steps, log_prob=steps, value=steps, reward=steps, done=steps,
+        steps=steps, bootstrap_value=data, policy_version=steps)
+    self._bc_step_jit = jax.jit(self._bc_step, in_shardings=(bc_sh, data, data),
+                                out_shardings=(bc_sh, rep), donate_argnums=0)
+    self._ppo_update_jit = jax.jit(self._ppo_update, in_shardings=(ppo_sh, traj_sh),
+                                   out_shardings=(ppo_sh, rep), donate_argnums=0)
+    # Streamer: gradients live like the params; metrics and the weight replicated.
+    params_sh = self.param_shardings
+    grads_sh = (params_sh, rep)
+    self._micro_grads_jit = jax.jit(self._micro_grads, in_shardings=(params_sh, traj_sh, rep),
+                                    out_shardings=grads_sh)
+    self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, params_sh, rep),
+                            out_shardings=grads_sh, donate_argnums=0)
+    self._apply_jit = jax.jit(self._apply, in_shardings=(ppo_sh, grads_sh),
+                              out_shardings=(ppo_sh, rep), donate_argnums=0,
+                              static_argnums=2)
+    self.bc_step = self._sharded_bc_step
+    self.ppo_update = self._sharded_ppo_update
+
+  # --------------------------------------------------------------- sharding --
+  def state_shardings(self, abstract_state: TrainState):
+    """Shardings of a train state (arrays or ``ShapeDtypeStruct``s), same tree.
+
+    Params and every optimizer-state subtree that mirrors them (Adam's ``mu``,
+    ``nu``) take the params' logical shardings; step, counts and PRNG key are
+    replicated. Without a mesh: the default device, for every leaf.
+    """
+    if self.mesh is None:
+      device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      return jax.tree.map(lambda _: device, abstract_state)
+    return sharding_lib.mirror_shardings(abstract_state, self._abstract_params,
+                                         self.param_shardings,
+                                         sharding_lib.replicated(self.mesh))
+
+  def shard_state(self, state: TrainState) -> TrainState:
+    """``state`` placed on :meth:`state_shardings` (what ``bc_step``/``ppo_update`` take)."""
+    return jax.device_put(state, self.state_shardings(state))
+
+  def _check_batch(self, n: int, what: str, key: str) -> None:
+    if n % self.batch_shards:
+      raise ValueError(f"{what} {n} is not divisible by the {self.batch_shards} batch shards of "
+                       f"the learner mesh {dict(self.mesh.shape)}; adjust {key} or config.mesh")
+
+  def _sharded_bc_step(self, state: TrainState, batch: dict, actions):
+    self._check_batch(actions.shape[0], "BC batch size", "config.bc.batch_size")
+    return self._bc_step_jit(state, batch, actions)
+
+  def _sharded_ppo_update(self, state: TrainState, traj: trajectory_lib.Trajectory):
+    num_envs = traj.log_prob.shape[1]
+    self._check_batch(num_envs, "rollout envs", "config.num_envs")
+    n = traj.log_prob.shape[0] * num_envs
+    if n % self.ppo_config.num_minibatches == 0:  # (else _ppo_update raises)
+      self._check_batch(n // self.ppo_config.num_minibatches, "PPO minibatch size (chunks)",
+                        "config.ppo.num_minibatches")
+    return self._ppo_update_jit(state, traj)
 
   # --------------------------------------------------------------------- BC --
   def _bc_step(self, state: TrainState, batch: dict,
@@ -75,33 +163,55 @@ class Learner:
                          rng=rng), loss
 
   # -------------------------------------------------------------------- PPO --
-  def _ppo_update(self, state: TrainState,
-                  traj: trajectory_lib.Trajectory) -> tuple[TrainState, dict]:
-    """PPO epochs over one trajectory ``[T, B]``; returns mean diagnostics."""
+  def _chunks(self, traj: trajectory_lib.Trajectory) -> dict:
+    """GAE over ``traj [T, B]`` (per env column), flattened to ``N = T * B`` chunks."""
     cfg = self.ppo_config
     # done = terminated | truncated: the time limit is part of the task (the
     # objective is success within it), so a truncated episode is not bootstrapped.
     adv, returns = gae.compute_gae(traj.reward, traj.value, traj.done, traj.bootstrap_value,
                                    gamma=cfg.gamma, lam=cfg.gae_lambda)
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
-    data = dict(batch=jax.tree.map(flat, traj.batch), chain=flat(traj.chain),
+    return dict(batch=jax.tree.map(flat, traj.batch), chain=flat(traj.chain),
                 log_prob=flat(traj.log_prob), adv=flat(adv), returns=flat(returns))
+
+  def _loss(self, params, minibatch: dict, weights: jax.Array):
+    """Weighted PPO loss (a weighted sum: micro-batch losses add up to the batch's)."""
+    cfg = self.ppo_config
+    ev = self.policy.evaluate(params, minibatch["batch"], minibatch["chain"])
+    a = minibatch["adv"]
+    if cfg.advantage_norm == "minibatch":
+      a = (a - a.mean()) / (a.std() + 1e-8)
+    proximal = minibatch.get("proximal")
+    if proximal is None:  # The params at the start of this update are the current ones.
+      proximal = jax.lax.stop_gradient(ev.log_prob)
+    return ppo.ppo_loss(ev.log_prob, minibatch["log_prob"], a, ev.value, minibatch["returns"],
+                        ev.entropy, weights=weights, proximal_log_prob=proximal,
+                        **ppo.loss_kwargs(cfg))
+
+  def _ppo_update(self, state: TrainState,
+                  traj: trajectory_lib.Trajectory) -> tuple[TrainState, dict]:
+    """PPO epochs over one trajectory ``[T, B]``; returns mean diagnostics."""
+    cfg = self.ppo_config
+    data = self._chunks(traj)
     n = data["log_prob"].shape[0]
     if n % cfg.num_minibatches:
       raise ValueError(f"rollout size {n} (num_envs x rollout_len) is not divisible by "
                        f"ppo.num_minibatches={cfg.num_minibatches}")
     mb = n // cfg.num_minibatches
-
-    def loss_fn(params, minibatch):
-      ev = self.policy.evaluate(params, minibatch["batch"], minibatch["chain"])
-      a = minibatch["adv"]
-      a = (a - a.mean()) / (a.std() + 1e-8)
-      return ppo.ppo_loss(ev.log_prob, minibatch["log_prob"], a, ev.value,
-                          minibatch["returns"], ev.entropy, **ppo.loss_kwargs(cfg))
+    if ppo.loss_kwargs(cfg)["correction"] == "decoupled" and (cfg.num_epochs > 1
+                                                              or cfg.num_minibatches > 1):
+      # Decoupled PPO's proximal policy: the params before this update's epochs.
+      split = lambda x: x.reshape((cfg.num_minibatches, mb) + x.shape[1:])
+      proximal = jax.lax.map(
+          lambda m: self.policy.evaluate(state.params, m["batch"], m["chain"]).log_prob,
+          dict(batch=jax.tree.map(split, data["batch"]), chain=split(data["chain"])))
+      data["proximal"] = jax.lax.stop_gradient(proximal.reshape(n))
+    weights = jnp.full((mb,), 1.0 / mb, jnp.float32)
 
     def minibatch_step(carry, minibatch):
       params, opt_state, stop = carry
-      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, minibatch)
+      (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
+          params, minibatch, weights)
       updates, new_opt_state = self.ppo_tx.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
       # Once approx. KL passes ppo.target_kl, the remaining minibatches are skipped.
@@ -117,6 +227,10 @@ class Learner:
       perm = jax.random.permutation(key, n)
       shuffled = jax.tree.map(lambda x: x[perm].reshape((cfg.num_minibatches, mb) + x.shape[1:]),
                               data)
+      if self.mesh is not None:  # Each minibatch split over the batch shards.
+        shuffled = jax.tree.map(
+            lambda x: sharding_lib.with_logical_constraint(x, (None, "batch"), self.rules,
+                                                           self.mesh), shuffled)
       return jax.lax.scan(minibatch_step, carry, shuffled)
 
     rng, key = jax.random.split(state.rng)
@@ -125,6 +239,53 @@ class Learner:
         jax.random.split(key, cfg.num_epochs))
     metrics = jax.tree.map(jnp.mean, metrics)
     metrics["value_mean"] = traj.value.mean()
-    metrics["advantage_std"] = adv.std()
+    metrics["advantage_std"] = data["adv"].std()
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                          rng=rng), metrics
+
+  # --------------------------------------------------------------- streamed --
+  def _micro_grads(self, params, traj: trajectory_lib.Trajectory,
+                   weight: jax.Array) -> tuple[object, dict]:
+    """Gradient of one micro-batch ``[T, M]``, every chunk weighted ``weight``.
+
+    With ``weight = 1 / N`` (``N`` chunks in the update) the gradients and metrics
+    of the update's micro-batches sum to those of the whole batch.
+    """
+    data = self._chunks(traj)
+    weights = jnp.full(data["log_prob"].shape, weight, jnp.float32)
+    (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, data, weights)
+    scale = weight * data["log_prob"].shape[0]  # This micro-batch's share of the update.
+    metrics = dict(metrics, loss=loss, value_mean=scale * traj.value.mean(),
+                   advantage_std=scale * data["adv"].std())
+    return grads, metrics
+
+  def _add(self, acc, grads, metrics):
+    """Accumulates ``(grads, metrics)`` into ``acc`` (donated)."""
+    return jax.tree.map(jnp.add, acc, (grads, metrics))
+
+  def _apply(self, state: TrainState, acc, bump_version: bool) -> tuple[TrainState, dict]:
+    """One optimizer update with accumulated gradients; ``bump_version`` ends the batch."""
+    grads, metrics = acc
+    updates, opt_state = self.ppo_tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=jnp.zeros(()))
+    step = state.step + (1 if bump_version else 0)
+    return state.replace(step=step, params=params, opt_state=opt_state), metrics
+
+  def micro_grads(self, params, traj: trajectory_lib.Trajectory, num_chunks: int):
+    """Streamer: ``(grads, metrics)`` of micro-batch ``traj`` in an update of
+    ``num_chunks`` chunks (add them with :meth:`accumulate`)."""
+    if self.mesh is not None:
+      self._check_batch(traj.log_prob.shape[1], "streamed micro-batch segments",
+                        "config.pipeline.micro_batch_segments")
+    return self._micro_grads_jit(params, traj, jnp.float32(1.0 / num_chunks))
+
+  def accumulate(self, acc, grads_metrics):
+    """``acc + grads_metrics`` (``acc`` None: the first micro-batch)."""
+    if acc is None:
+      return grads_metrics
+    return self._add_jit(acc, *grads_metrics)
+
+  def apply(self, state: TrainState, acc, bump_version: bool = True):
+    """Applies accumulated micro-batch gradients: one optimizer update."""
+    return self._apply_jit(state, acc, bump_version)

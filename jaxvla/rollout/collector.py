@@ -79,7 +79,8 @@ class Collector:
         log_prob=np.stack([o.log_prob for o in outs]),
         value=np.stack([o.value for o in outs]),
         reward=np.stack(rewards), done=np.stack(dones), steps=np.stack(executed),
-        bootstrap_value=bootstrap, policy_version=np.int32(policy_version))
+        bootstrap_value=bootstrap,
+        policy_version=np.full((num_steps, self.env.num_envs), policy_version, np.int32))
 
 
 def evaluate(env: protocol.VecEnv, policy: policy_lib.Policy, act_fn: Callable, params,

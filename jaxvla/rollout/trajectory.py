@@ -20,7 +20,8 @@ class Trajectory:
     done: ``[T, B]`` episode ended in the step (terminated or truncated).
     steps: ``[T, B]`` env steps executed in the step.
     bootstrap_value: ``[B]`` value after the last step.
-    policy_version: ``int32 []`` version of the parameters that produced it.
+    policy_version: ``int32 [T, B]`` version of the parameters that produced each chunk
+      (one version per chunk; asynchronous rollout may switch between chunks).
   """
   batch: dict
   chain: np.ndarray

@@ -1,0 +1,245 @@
+"""Pipeline throughput in every mode: ``python -m jaxvla.bench.pipeline --config=...``.
+
+Runs the RL phase (no warm start, no evaluation, no checkpoints) of one config
+in each mode, the paper's ablation, for ``--updates`` learner updates after
+``--warmup`` (compilation, first batches) that are not timed:
+
+=====================  ==============================================
+``sync_colocated``     lockstep rollout, then train, on one device set
+``sync_disaggregated`` the same with the weight-broadcast path
+``+train_async``       L1: rollout thread || learner (lockstep envs)
+``+rollout_async``     L1 + L2: first-ready env batching
+``+streamer``          L1 + L2 + L3: streamed micro-batch learner
+=====================  ==============================================
+
+Throughput is env steps *trained on* per second of the timed window (what the
+learner consumed; steps dropped as too stale are reported beside it, and the
+rollout's own rate including them as ``rollout_env_steps_per_s``). Each stage's standalone rate is measured alone, in the same units:
+
+* env: the env pool with a zero-cost policy (random chunks), first-ready
+  batching as the async mode uses it;
+* inference: ``act`` on the async mode's inference batch, chunks/s x chunk length;
+* learner: ``ppo_update`` on one stored update batch, its env steps / update time.
+
+Pipeline efficiency = full-async throughput / the slowest standalone rate. The
+last line of output is JSON with every row, ``speedup_vs_sync_colocated`` and
+``efficiency`` of the full-async mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import platform
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxvla import config_checks, sharding as sharding_lib
+from jaxvla.bench import envs as env_bench
+from jaxvla.envs import make_vec_env
+from jaxvla.learner import learner as learner_lib
+from jaxvla.models import policy as policy_lib
+from jaxvla.runtime import pipeline as pipeline_lib
+from jaxvla.runtime import rollout as rollout_lib
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/default.py:bench", "Config file (optionally ':variant').",
+    lock_config=True)
+_UPDATES = flags.DEFINE_integer("updates", 8, "Timed learner updates per mode.")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed updates first (compilation).")
+_MODES = flags.DEFINE_list(
+    "modes", ["sync_colocated", "sync_disaggregated", "+train_async", "+rollout_async",
+              "+streamer"], "Modes to run (the ablation order).")
+_STAGE_SECONDS = flags.DEFINE_float("stage_seconds", 8.0, "Seconds per standalone-stage rate.")
+_STALENESS_CONTROL = flags.DEFINE_enum(
+    "staleness_control", "", ["", "drop", "pace"],
+    "Override config.pipeline.staleness_control for the async modes ('': the config's).")
+_TIMELINE = flags.DEFINE_string("timeline", "", "Write the full-async run's timeline PNG here.")
+
+ABLATION = {
+    "sync_colocated": dict(mode="sync_colocated"),
+    "sync_disaggregated": dict(mode="sync_disaggregated"),
+    "+train_async": dict(mode="async", train_async=True, rollout_async=False, streamer=False),
+    "+rollout_async": dict(mode="async", train_async=True, rollout_async=True, streamer=False),
+    "+streamer": dict(mode="async", train_async=True, rollout_async=True, streamer=True),
+}
+
+
+def mode_config(base: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+  """``base`` with the pipeline switches of ablation row ``name``."""
+  if name not in ABLATION:
+    raise ValueError(f"--modes: unknown mode {name!r}; choose from {list(ABLATION)}")
+  c = copy.deepcopy(base)
+  with c.unlocked():
+    c.pipeline.update(ABLATION[name])
+    if _STALENESS_CONTROL.value:
+      c.pipeline.staleness_control = _STALENESS_CONTROL.value
+    if c.pipeline.streamer:
+      c.ppo.num_epochs, c.ppo.advantage_norm, c.ppo.target_kl = 1, "none", 0.0
+  config_checks.validate(c)
+  return c
+
+
+class _Parts:
+  """What every mode shares: the policy, its params and the learner."""
+
+  def __init__(self, config: ml_collections.ConfigDict, spec):
+    self.policy = policy_lib.make_policy(config.model, spec)
+    self.params = jax.device_get(self.policy.init(jax.random.PRNGKey(config.seed)))
+    self.act = jax.jit(functools.partial(self.policy.act, mode="train"))
+    self.value = jax.jit(self.policy.value)
+
+  def learner(self, config) -> learner_lib.Learner:
+    return learner_lib.Learner(self.policy, config.bc, config.ppo)
+
+  def state(self, learner: learner_lib.Learner):
+    return learner_lib.init_state(jax.device_put(self.params), learner.ppo_tx,
+                                  jax.random.PRNGKey(1))
+
+
+def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
+  """Throughput of one mode over ``--updates`` timed updates."""
+  c = mode_config(base, name)
+  env = make_vec_env(c.env, c.num_envs, c.seed, num_workers=c.env_workers,
+                     step_timeout_s=c.env_step_timeout_s)
+  learner = parts.learner(c)
+  state = parts.state(learner)
+  pipe = pipeline_lib.Pipeline(c, parts.policy, learner, env, parts.act, parts.value,
+                               sharding_lib.rollout_sharding(jax.local_devices()),
+                               jax.random.PRNGKey(2), seed=c.seed)
+  marks, trained = [], [0]
+
+  def on_update(info):
+    trained[0] += info.env_steps
+    marks.append((time.perf_counter(), trained[0], pipe.rollout.env_steps,
+                  pipe.clock.elapsed()))
+
+  total = _WARMUP.value + _UPDATES.value
+  try:
+    pipe.run(state, 0, 1 << 62, on_update_limit(on_update, total, pipe))
+  finally:
+    env.close()
+  (t0, s0, r0, c0), (t1, s1, r1, _) = marks[_WARMUP.value - 1], marks[-1]
+  window = pipe.clock.window(c0)
+  stats = pipe.metrics()
+  row = dict(mode=name, pipeline=pipe.mode_name, env_steps_per_s=(s1 - s0) / (t1 - t0),
+             rollout_env_steps_per_s=(r1 - r0) / (t1 - t0),
+             updates=_UPDATES.value, seconds=t1 - t0,
+             staleness_control=c.pipeline.staleness_control,
+             staleness_mean=stats.get("staleness_mean", 0.0),
+             dropped_env_steps=int(stats["queue_dropped_env_steps"]),
+             **{k: v for k, v in window.items() if k.endswith("_busy")})
+  if name == "+streamer" and _TIMELINE.value:
+    from jaxvla.runtime import stages  # pylint: disable=import-outside-toplevel
+    intervals = pipe.clock.intervals()
+    end = pipe.clock.elapsed()
+    stages.plot_timeline(intervals, _TIMELINE.value, t_range=(max(c0, end - 3.0), end),
+                         title=f"{pipe.mode_name}: 3 s of the timed window")
+  return row
+
+
+def on_update_limit(fn, total: int, pipe: pipeline_lib.Pipeline):
+  """``fn`` after each update; stops the pipeline after ``total`` updates."""
+  count = [0]
+
+  def wrapped(info):
+    fn(info)
+    count[0] += 1
+    if count[0] >= total:
+      pipe.request_stop()
+
+  return wrapped
+
+
+def stage_rates(base: ml_collections.ConfigDict, parts: _Parts) -> dict[str, float]:
+  """Standalone env, inference and learner rates (env steps/s)."""
+  c = mode_config(base, "+rollout_async")
+  seconds = _STAGE_SECONDS.value
+  b_max = c.pipeline.b_max or max(1, c.num_envs // 2)
+  chunk = c.model.chunk_len
+  env = make_vec_env(c.env, c.num_envs, c.seed, num_workers=c.env_workers,
+                     step_timeout_s=c.env_step_timeout_s)
+  try:
+    rng = np.random.default_rng(0)
+    actions = rng.uniform(-1, 1, (c.num_envs, chunk, env.spec.action_dim)).astype(np.float32)
+    env_rate = env_bench.run_first_ready(env, actions, seconds, b_max,
+                                         c.pipeline.t_max_ms / 1000)
+    # One lockstep update's data for the learner, and observations for inference.
+    builder = rollout_lib.SegmentBuilder(c.num_envs, c.rollout_len, c.num_envs)
+    ro = rollout_lib.Rollout(env, parts.policy, parts.act, parts.value,
+                             lambda: (parts.params, 0), builder, jax.random.PRNGKey(0), seed=1)
+    for _ in range(c.rollout_len):
+      ro.step_all()
+    traj = builder.pop_items()[0].data
+  finally:
+    env.close()
+  batch = jax.tree.map(lambda x: x[0, :b_max], traj.batch)
+  params = jax.device_put(parts.params)
+  jax.block_until_ready(parts.act(params, batch, jax.random.PRNGKey(0)))
+  n, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    jax.device_get(parts.act(params, batch, jax.random.PRNGKey(n)))
+    n += 1
+  inference_rate = n * b_max * chunk / (time.perf_counter() - t0)
+  learner = parts.learner(c)
+  state = parts.state(learner)
+  state, _ = learner.ppo_update(state, traj)
+  jax.block_until_ready(state)
+  n, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    state, m = learner.ppo_update(state, traj)
+    jax.device_get(m)
+    n += 1
+  learner_rate = n * traj.num_env_steps / (time.perf_counter() - t0)
+  return dict(env=env_rate, inference=inference_rate, learner=learner_rate)
+
+
+def main(argv):
+  del argv
+  base = _CONFIG.value
+  probe = make_vec_env(base.env, 1, 0, num_workers=0, step_timeout_s=60)
+  spec = probe.spec
+  probe.close()
+  parts = _Parts(base, spec)
+  print(f"# {platform.machine()} {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; env={base.env.name} "
+        f"num_envs={base.num_envs} env_workers={base.env_workers} rollout_len={base.rollout_len} "
+        f"chunk={base.model.chunk_len} model={base.model.name}/{base.model.variant}; "
+        f"{_UPDATES.value} timed updates after {_WARMUP.value}", flush=True)
+  if base.env.name == "builtin":
+    print(f"# builtin env latency {base.env.latency_ms:g} ms median per step, log-normal "
+          f"sigma {base.env.latency_sigma:g} (long tail)", flush=True)
+  rates = stage_rates(base, parts)
+  slowest = min(rates, key=rates.get)
+  print(f"{'stage (standalone)':<24}{'env steps/s':>12}")
+  for k, v in rates.items():
+    print(f"{k:<24}{v:>12.1f}{'  <- slowest' if k == slowest else ''}", flush=True)
+  rows = []
+  print(f"{'mode':<20}{'pipeline':<18}{'env steps/s':>12}{'vs sync':>9}{'efficiency':>11}"
+        f"{'env':>6}{'infer':>7}{'learn':>7}{'stale':>7}{'dropped':>9}")
+  for name in _MODES.value:
+    row = run_mode(base, name, parts)
+    base_sps = rows[0]["env_steps_per_s"] if rows else row["env_steps_per_s"]
+    row["speedup_vs_sync_colocated"] = row["env_steps_per_s"] / base_sps
+    row["efficiency"] = row["env_steps_per_s"] / rates[slowest]
+    rows.append(row)
+    print(f"{name:<20}{row['pipeline']:<18}{row['env_steps_per_s']:>12.1f}"
+          f"{row['speedup_vs_sync_colocated']:>9.2f}{row['efficiency']:>11.2f}"
+          f"{row['env_busy']:>6.2f}{row['inference_busy']:>7.2f}{row['learner_busy']:>7.2f}"
+          f"{row['staleness_mean']:>7.2f}{row['dropped_env_steps']:>9d}", flush=True)
+  full = rows[-1]
+  print(json.dumps(dict(
+      stage_rates=rates, slowest_stage=slowest, rows=rows, full_async_mode=full["mode"],
+      speedup_vs_sync_colocated=full["speedup_vs_sync_colocated"],
+      efficiency=full["efficiency"])))
+
+
+if __name__ == "__main__":
+  app.run(main)

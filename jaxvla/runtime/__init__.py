@@ -1,0 +1,1 @@
+"""The asynchronous pipeline: trajectory queue, weight broadcast, rollout, modes, stage clock."""

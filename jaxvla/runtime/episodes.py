@@ -1,0 +1,240 @@
+"""The GRPO side of the rollout: whole episodes, gathered into groups, as queue items.
+
+GRPO's baseline is the group: env ``i`` is in group ``i // G`` and the ``k``-th
+episodes of a group's ``G`` envs start alike (:mod:`jaxvla.envs.protocol`), so
+those ``G`` episodes form one GRPO group and each one's advantage is its return
+against theirs (:func:`jaxvla.algorithms.grpo.group_advantages`).
+
+:class:`EpisodeBuilder` has :class:`jaxvla.runtime.rollout.SegmentBuilder`'s
+interface, so :class:`jaxvla.runtime.rollout.Rollout` drives either. It keeps,
+per env, the chunks of its current episode; when a chunk ends the episode it
+closes it with the env's :class:`EpisodeStats` and files it under
+``(group, episode number)``. Group-mates finish at different times and an env
+starts its next episode at once (auto-reset), so finished episodes wait there
+until all ``G`` are in; the group then becomes one queue :class:`Item` holding
+an :class:`EpisodeBatch` ``[K, G]``. GRPO bootstraps nothing: ``on_result``
+never asks for values.
+
+Episodes are padded to ``K`` chunks (``K = ceil(max_episode_steps / chunk_len)``,
+:func:`max_chunks_per_episode`): padding repeats the episode's last chunk's
+inputs and chain (finite values for the policy to evaluate) with log-prob 0,
+``mask`` False and 0 steps; losses give it weight 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import struct
+
+from jaxvla.algorithms import grpo
+from jaxvla.envs import protocol
+from jaxvla.models import policy as policy_lib
+from jaxvla.runtime import queue as queue_lib
+
+
+@struct.dataclass
+class EpisodeBatch:
+  """``E`` whole episodes padded to ``K`` chunks, chunk-major, in host memory.
+
+  Attributes:
+    batch: policy inputs (``Policy.prepare``) of each chunk, arrays ``[K, E, ...]``.
+    chain: ``[K, E, ...]`` stored sampler chains.
+    log_prob: ``[K, E]`` behaviour log-probabilities (0 on padding).
+    mask: ``bool [K, E]`` the chunk was played (False: padding).
+    advantage: ``float32 [E]`` group-normalised advantage of each episode.
+    episode_return: ``float32 [E]`` episode returns (from the env's EpisodeStats).
+    group: ``int32 [E]`` GRPO group of each episode.
+    episode: ``int32 [E]`` episode number ``k`` (``(group, episode)`` fixes the init).
+    policy_version: ``int32 [K, E]`` version that produced each chunk (padding
+      repeats the last chunk's).
+    steps: ``int32 [K, E]`` env steps each chunk executed (0 on padding).
+  """
+  batch: dict
+  chain: np.ndarray
+  log_prob: np.ndarray
+  mask: np.ndarray
+  advantage: np.ndarray
+  episode_return: np.ndarray
+  group: np.ndarray
+  episode: np.ndarray
+  policy_version: np.ndarray
+  steps: np.ndarray
+
+  @property
+  def num_episodes(self) -> int:
+    return self.log_prob.shape[1]
+
+  @property
+  def num_env_steps(self) -> int:
+    return int(np.sum(self.steps))
+
+
+def max_chunks_per_episode(max_episode_steps: int, chunk_len: int) -> int:
+  """``K``: chunks of the longest episode, ``ceil(max_episode_steps / chunk_len)``."""
+  return math.ceil(max_episode_steps / chunk_len)
+
+
+def concat_episode_batches(batches: list[EpisodeBatch]) -> EpisodeBatch:
+  """Batches ``[K, E_i]`` -> one ``EpisodeBatch [K, sum E_i]`` (episode axis 1)."""
+  if not batches:
+    raise ValueError("concat_episode_batches needs at least one EpisodeBatch")
+  cat1 = lambda *xs: np.concatenate(xs, axis=1)
+  cat0 = lambda *xs: np.concatenate(xs, axis=0)
+  field = lambda name: [getattr(b, name) for b in batches]
+  return EpisodeBatch(
+      batch=jax.tree.map(cat1, *field("batch")), chain=cat1(*field("chain")),
+      log_prob=cat1(*field("log_prob")), mask=cat1(*field("mask")),
+      advantage=cat0(*field("advantage")), episode_return=cat0(*field("episode_return")),
+      group=cat0(*field("group")), episode=cat0(*field("episode")),
+      policy_version=cat1(*field("policy_version")), steps=cat1(*field("steps")))
+
+
+def _rows(tree, idx):
+  return jax.tree.map(lambda x: x[idx], tree)
+
+
+class EpisodeBuilder:
+  """Per-env chunk records -> one ``EpisodeBatch [K, G]`` item per finished group.
+
+  Args:
+    num_envs: envs of the batch (ids ``0..num_envs - 1``, the run's global ids).
+    group_size: ``G`` (``env.group_size``); env ``i`` is in group ``i // G``.
+    max_chunks: ``K``, chunks of the longest episode (:func:`max_chunks_per_episode`).
+    scale: divide advantages by the group's return std (False: Dr. GRPO's ``R - mean``).
+  """
+
+  def __init__(self, num_envs: int, group_size: int, max_chunks: int, *, scale: bool = True):
+    protocol.group_layout(group_size, num_envs)  # Raises naming env.group_size.
+    if max_chunks < 1:
+      raise ValueError(f"EpisodeBuilder: max_chunks must be >= 1, got {max_chunks}")
+    self.num_envs, self.group_size, self.max_chunks = num_envs, int(group_size), max_chunks
+    self.scale = scale
+    # Chunks of each env's current episode (Rollout reads `not _open[i]`: a new one starts).
+    self._open: list[list[dict]] = [[] for _ in range(num_envs)]
+    # Finished episodes waiting for their group-mates: (group, episode) -> {env_id: episode}.
+    self._waiting: dict[tuple[int, int], dict[int, dict]] = {}
+    self._ready: list[list[dict]] = []  # Complete groups (env order), not yet popped.
+
+  def starting(self, env_ids: np.ndarray) -> int:
+    """How many of ``env_ids`` start a new episode with their next chunk."""
+    return int(sum(1 for i in env_ids if not self._open[i]))
+
+  def on_act(self, env_ids: np.ndarray, batch: dict, out: policy_lib.ActOutput,
+             version: int) -> None:
+    """Records the chunk each of ``env_ids`` ``[b]`` is about to execute."""
+    for row, i in enumerate(env_ids):
+      self._open[i].append(dict(batch=_rows(batch, row), chain=np.asarray(out.chain[row]),
+                                log_prob=np.float32(out.log_prob[row]),
+                                version=np.int32(version)))
+
+  def on_result(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> np.ndarray:
+    """Completes the chunks of ``env_ids`` ``[b]`` and closes the episodes that ended.
+
+    Returns:
+      ``int64 [0]``: GRPO needs no bootstrap values, so no row is ever full.
+
+    Raises:
+      RuntimeError: a result for an env with no chunk acted on; an episode longer
+        than ``max_chunks``; an ended episode without (or with ambiguous)
+        EpisodeStats; a group or episode reported twice.
+      ValueError: stats whose group is not ``env_id // group_size``.
+    """
+    stats = {}
+    for s in result.episodes:
+      if s.env_id in stats:
+        raise RuntimeError(f"env {s.env_id}: two episodes ({stats[s.env_id].episode} and "
+                           f"{s.episode}) ended in one chunk result")
+      stats[s.env_id] = s
+    done = result.done
+    for row, i in enumerate(env_ids):
+      chunks = self._open[i]
+      if not chunks or "steps" in chunks[-1]:
+        raise RuntimeError(f"env {i}: a result arrived with no chunk acted on")
+      chunks[-1].update(reward=np.float32(result.reward[row]),
+                        steps=np.int32(result.steps[row]))
+      if done[row]:
+        if int(i) not in stats:
+          raise RuntimeError(f"env {i}: its episode ended but the chunk result has no "
+                             f"EpisodeStats for it (got env ids {sorted(stats)})")
+        self._close(int(i), stats[int(i)])
+      elif len(chunks) >= self.max_chunks:
+        raise RuntimeError(f"env {i}: episode has {len(chunks)} chunks and has not ended; "
+                           f"max_chunks={self.max_chunks} must be ceil(env.max_episode_steps / "
+                           "model.chunk_len)")
+    return np.zeros((0,), np.int64)
+
+  def _close(self, i: int, stats: protocol.EpisodeStats) -> None:
+    """Files env ``i``'s finished episode under its ``(group, episode)``."""
+    if stats.group != i // self.group_size:
+      raise ValueError(f"env {i}: EpisodeStats group {stats.group} is not env_id // "
+                       f"group_size = {i // self.group_size}; the builder's group_size "
+                       f"({self.group_size}) must be the env's env.group_size")
+    key = (int(stats.group), int(stats.episode))
+    members = self._waiting.setdefault(key, {})
+    if i in members:
+      raise RuntimeError(f"env {i}: episode {key[1]} of group {key[0]} finished twice")
+    members[i] = dict(chunks=self._open[i], episode_return=np.float32(stats.episode_return))
+    self._open[i] = []
+    if len(members) == self.group_size:
+      del self._waiting[key]
+      self._ready.append([dict(members[j], env_id=j, group=key[0], episode=key[1])
+                          for j in sorted(members)])
+
+  def complete(self, env_ids: np.ndarray, bootstrap_values: np.ndarray) -> None:
+    """Not used: GRPO episodes need no bootstrap values (``on_result`` asks for none)."""
+    raise RuntimeError("EpisodeBuilder.complete: GRPO episodes take no bootstrap values "
+                       f"(asked for envs {np.asarray(env_ids).tolist()})")
+
+  def _episode_batch(self, members: list[dict]) -> EpisodeBatch:
+    """One group's ``G`` episodes padded to ``K`` chunks -> ``EpisodeBatch [K, G]``."""
+    k = self.max_chunks
+    padded = []
+    for m in members:
+      chunks = m["chunks"]
+      n = len(chunks)
+      pad = [chunks[-1]] * (k - n)  # Last chunk's inputs: finite, weight 0 anyway.
+      padded.append(dict(
+          batch=jax.tree.map(lambda *xs: np.stack(xs), *[c["batch"] for c in chunks + pad]),
+          chain=np.stack([c["chain"] for c in chunks + pad]),
+          log_prob=np.array([c["log_prob"] for c in chunks] + [0.0] * (k - n), np.float32),
+          mask=np.arange(k) < n,
+          policy_version=np.array([c["version"] for c in chunks + pad], np.int32),
+          steps=np.array([c["steps"] for c in chunks] + [0] * (k - n), np.int32)))
+    stack = lambda *xs: np.stack(xs, axis=1)  # [K, G, ...]
+    returns = np.array([m["episode_return"] for m in members], np.float32)
+    adv = grpo.group_advantages(returns, np.zeros(len(members), np.int32), 1, scale=self.scale)
+    return EpisodeBatch(
+        batch=jax.tree.map(stack, *[p["batch"] for p in padded]),
+        chain=stack(*[p["chain"] for p in padded]),
+        log_prob=stack(*[p["log_prob"] for p in padded]),
+        mask=stack(*[p["mask"] for p in padded]),
+        advantage=np.asarray(adv, np.float32), episode_return=returns,
+        group=np.array([m["group"] for m in members], np.int32),
+        episode=np.array([m["episode"] for m in members], np.int32),
+        policy_version=stack(*[p["policy_version"] for p in padded]),
+        steps=stack(*[p["steps"] for p in padded]))
+
+  def pop_items(self) -> list[queue_lib.Item]:
+    """One item per complete group, in completion order (unfinished groups wait).
+
+    ``Item.versions`` holds the played chunks' versions only (``[num_chunks]``),
+    so staleness and the queue's drop counts ignore padding.
+    """
+    items = []
+    for members in self._ready:
+      eb = self._episode_batch(members)
+      versions = eb.policy_version[eb.mask]
+      items.append(queue_lib.Item(data=eb, versions=versions, num_chunks=int(versions.size),
+                                  num_env_steps=eb.num_env_steps))
+    self._ready = []
+    return items
+
+  def in_flight(self) -> tuple[int, int]:
+    """``(episodes, chunks)`` started but not emitted: open, or waiting for group-mates."""
+    waiting = [m for members in self._waiting.values() for m in members.values()]
+    waiting += [m for members in self._ready for m in members]
+    return (sum(1 for c in self._open if c) + len(waiting),
+            sum(len(c) for c in self._open) + sum(len(m["chunks"]) for m in waiting))

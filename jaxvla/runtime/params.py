@@ -1,0 +1,129 @@
+"""Versioned weight broadcast from the learner mesh to the rollout devices.
+
+:meth:`ParamServer.publish` is called by the learner after each update with the
+new params and version ``v + 1``. It only *dispatches* the copy (gather on the
+learner mesh where the params are FSDP-sharded, then an asynchronous
+``device_put`` onto the rollout shardings that never aliases the learner's
+buffers, which the next update donates) and returns; a broadcaster thread waits
+for the copy to land and only then makes the version current. The rollout takes
+``latest()`` between inference batches, so it never waits for a copy in flight
+and never switches versions inside an action chunk.
+
+Publishing faster than copies land keeps only the newest pending version (an
+older one still in flight is superseded, counted in ``skipped_versions``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+
+from jaxvla import sharding as sharding_lib
+
+
+class ParamServer:
+  """Holds the rollout's copy of the params and its version.
+
+  Args:
+    rollout_shardings: target sharding tree (like the params) on the rollout
+      devices, or one sharding for every leaf.
+    learner_mesh: the learner's mesh; with FSDP-sharded params and a different
+      rollout mesh, params are gathered on it first (a direct cross-mesh copy of
+      sharded arrays blocks the host).
+    on_ready: called with ``(version, start, end)`` when a copy has landed
+      (``time.perf_counter`` times; the pipeline records the broadcast stage).
+    gather: gather on the learner mesh before copying (True when the meshes
+      differ and the params are sharded).
+  """
+
+  def __init__(self, rollout_shardings: Any, learner_mesh: jax.sharding.Mesh | None = None,
+               on_ready: Callable[[int, float, float], None] | None = None,
+               gather: bool = False):
+    self.rollout_shardings = rollout_shardings
+    self.learner_mesh = learner_mesh
+    self.gather = gather and learner_mesh is not None
+    self.on_ready = on_ready
+    self._cond = threading.Condition()
+    self._current: tuple[Any, int] | None = None
+    self._pending: tuple[Any, int, float] | None = None
+    self._closed = False
+    self.error: BaseException | None = None
+    self.published = 0
+    self.skipped_versions = 0
+    self.copy_s = 0.0
+    self._thread = threading.Thread(target=self._run, name="broadcaster", daemon=True)
+    self._thread.start()
+
+  def _copy(self, params):
+    if self.gather:
+      params = sharding_lib.gather(params, self.learner_mesh)
+    return jax.device_put(params, self.rollout_shardings, may_alias=False)
+
+  def publish(self, params, version: int, wait: bool = False) -> None:
+    """Dispatches the copy of ``params`` as ``version``; returns without waiting.
+
+    ``wait=True`` (the synchronous baselines, and the first version) blocks until
+    it is current.
+    """
+    self._raise_if_failed()
+    t0 = time.perf_counter()
+    copied = self._copy(params)
+    with self._cond:
+      if self._pending is not None:
+        self.skipped_versions += 1
+      self._pending = (copied, version, t0)
+      self.published += 1
+      self._cond.notify_all()
+      if wait:
+        self._cond.wait_for(lambda: self._closed or self.error is not None or (
+            self._current is not None and self._current[1] >= version))
+    self._raise_if_failed()
+
+  def _run(self) -> None:
+    try:
+      while True:
+        with self._cond:
+          self._cond.wait_for(lambda: self._closed or self._pending is not None)
+          if self._pending is None:
+            return
+          copied, version, t0 = self._pending
+          self._pending = None
+        jax.block_until_ready(copied)
+        t1 = time.perf_counter()
+        with self._cond:
+          self._current = (copied, version)
+          self.copy_s += t1 - t0
+          self._cond.notify_all()
+        if self.on_ready is not None:
+          self.on_ready(version, t0, t1)
+    except BaseException as e:  # Surfaced to the learner and the rollout.
+      with self._cond:
+        self.error = e
+        self._cond.notify_all()
+
+  def _raise_if_failed(self) -> None:
+    if self.error is not None:
+      raise RuntimeError("weight broadcast failed") from self.error
+
+  def latest(self) -> tuple[Any, int]:
+    """The newest landed ``(params, version)``; blocks only before the first."""
+    with self._cond:
+      self._cond.wait_for(lambda: self._current is not None or self._closed
+                          or self.error is not None)
+      self._raise_if_failed()
+      if self._current is None:
+        raise RuntimeError("param server closed before any params were published")
+      return self._current
+
+  def version(self) -> int:
+    with self._cond:
+      return -1 if self._current is None else self._current[1]
+
+  def close(self) -> None:
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+    self._thread.join()

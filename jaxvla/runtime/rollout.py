@@ -1,0 +1,239 @@
+"""The rollout side of the pipeline: acting on env batches and cutting env segments.
+
+:class:`SegmentBuilder` keeps, per env, the chunks of its current segment (policy
+inputs, sampler chain, behaviour log-prob and value, the policy version that
+acted, then reward / done / executed steps when the chunk's result arrives). When
+an env has ``T`` finished chunks its segment is complete; with the value of the
+observation after it (the GAE bootstrap) it becomes one column of a
+``Trajectory [T, M]``, and ``M`` columns make one queue :class:`Item`.
+
+:class:`Rollout` drives an env batch with a policy in one of two ways:
+
+* lockstep (:meth:`Rollout.step_all`): every env steps one chunk per inference
+  batch (any ``VecEnv``; the synchronous baselines);
+* first-ready (:meth:`Rollout.step_ready`, level 2): an :class:`EnvPool`'s
+  ``recv(b_max, t_max)`` returns the envs that are ready, inference runs on them
+  and their next chunks are sent at once, so a slow env never holds up the rest.
+
+Parameters come from a ``params_fn() -> (params, version)`` (the
+:class:`ParamServer` or the learner's own state), read once per inference batch,
+so a chunk is always produced by one version.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxvla.envs import protocol
+from jaxvla.models import policy as policy_lib
+from jaxvla.rollout import collector as collector_lib
+from jaxvla.rollout import trajectory as trajectory_lib
+from jaxvla.runtime import queue as queue_lib
+
+_STEP_FIELDS = ("chain", "log_prob", "value", "version")
+
+
+def _rows(tree, idx: np.ndarray):
+  return jax.tree.map(lambda x: x[idx], tree)
+
+
+class SegmentBuilder:
+  """Per-env chunk records -> ``Trajectory [T, M]`` items of complete segments.
+
+  Args:
+    num_envs: envs of the batch (ids ``0..num_envs - 1``).
+    segment_len: ``T`` chunks per segment.
+    segments_per_item: ``M`` segments per item (the streamer's micro-batch).
+  """
+
+  def __init__(self, num_envs: int, segment_len: int, segments_per_item: int):
+    self.num_envs, self.segment_len, self.per_item = num_envs, segment_len, segments_per_item
+    self._open: list[list[dict]] = [[] for _ in range(num_envs)]  # Chunks of each env.
+    self._done_segments: list[dict] = []
+
+  def starting(self, env_ids: np.ndarray) -> int:
+    """How many of ``env_ids`` start a new segment with their next chunk."""
+    return int(sum(1 for i in env_ids if not self._open[i]))
+
+  def on_act(self, env_ids: np.ndarray, batch: dict, out: policy_lib.ActOutput,
+             version: int) -> None:
+    """Records the chunk each of ``env_ids`` ``[b]`` is about to execute."""
+    for row, i in enumerate(env_ids):
+      self._open[i].append(dict(batch=_rows(batch, row), chain=out.chain[row],
+                                log_prob=out.log_prob[row], value=out.value[row],
+                                version=np.int32(version)))
+
+  def on_result(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> np.ndarray:
+    """Completes the chunks of ``env_ids``; returns the rows whose segment is full."""
+    full = []
+    for row, i in enumerate(env_ids):
+      chunks = self._open[i]
+      if not chunks or "reward" in chunks[-1]:
+        raise RuntimeError(f"env {i}: a result arrived with no chunk acted on")
+      chunks[-1].update(reward=result.reward[row], done=result.done[row],
+                        steps=result.steps[row])
+      if len(chunks) == self.segment_len:
+        full.append(row)
+    return np.asarray(full, np.int64)
+
+  def complete(self, env_ids: np.ndarray, bootstrap_values: np.ndarray) -> None:
+    """Closes the full segments of ``env_ids`` with their bootstrap values ``[b]``."""
+    for i, v in zip(env_ids, bootstrap_values):
+      chunks = self._open[i]
+      if len(chunks) != self.segment_len or "reward" not in chunks[-1]:
+        raise RuntimeError(f"env {i}: segment is not complete ({len(chunks)} chunks)")
+      seg = {k: np.stack([c[k] for c in chunks]) for k in _STEP_FIELDS + ("reward", "done",
+                                                                            "steps")}
+      seg["batch"] = jax.tree.map(lambda *xs: np.stack(xs), *[c["batch"] for c in chunks])
+      seg["bootstrap_value"] = np.float32(v)
+      self._done_segments.append(seg)
+      self._open[i] = []
+
+  def pop_items(self) -> list[queue_lib.Item]:
+    """Items of ``M`` complete segments each, in completion order (the rest wait)."""
+    items = []
+    while len(self._done_segments) >= self.per_item:
+      segs, self._done_segments = (self._done_segments[:self.per_item],
+                                   self._done_segments[self.per_item:])
+      stack = lambda *xs: np.stack(xs, axis=1)  # [T, M, ...]
+      traj = trajectory_lib.Trajectory(
+          batch=jax.tree.map(stack, *[s["batch"] for s in segs]),
+          chain=stack(*[s["chain"] for s in segs]),
+          log_prob=stack(*[s["log_prob"] for s in segs]),
+          value=stack(*[s["value"] for s in segs]),
+          reward=stack(*[s["reward"] for s in segs]),
+          done=stack(*[s["done"] for s in segs]),
+          steps=stack(*[s["steps"] for s in segs]),
+          bootstrap_value=np.stack([s["bootstrap_value"] for s in segs]),
+          policy_version=stack(*[s["version"] for s in segs]))
+      items.append(queue_lib.Item(data=traj, versions=traj.policy_version,
+                                  num_chunks=traj.log_prob.size,
+                                  num_env_steps=int(traj.steps.sum())))
+    return items
+
+  def in_flight(self) -> tuple[int, int]:
+    """``(segments, chunks)`` started but not emitted (lost if the run stops now)."""
+    open_chunks = sum(len(c) for c in self._open)
+    return (sum(1 for c in self._open if c) + len(self._done_segments),
+            open_chunks + len(self._done_segments) * self.segment_len)
+
+
+class Rollout:
+  """Acts on an env batch and feeds a :class:`SegmentBuilder`.
+
+  Args:
+    env: the env batch (an :class:`EnvPool` for first-ready stepping).
+    policy: the policy contract; act_fn: jitted ``(params, batch, rng) -> ActOutput``
+      (the training sampler); value_fn: jitted ``(params, batch) -> [B]``.
+    params_fn: ``() -> (params, version)``, read once per inference batch.
+    builder: where chunks go.
+    rng: key of the sampler; seed: the env's reset seed.
+    clock: optional :class:`StageClock` (stages ``env`` and ``inference``).
+    pacer: optional :class:`Pacer` (``staleness_control='pace'``).
+  """
+
+  def __init__(self, env: protocol.VecEnv, policy: policy_lib.Policy, act_fn: Callable,
+               value_fn: Callable, params_fn: Callable[[], tuple[Any, int]],
+               builder: SegmentBuilder, rng: jax.Array, seed: int, clock=None,
+               pacer: queue_lib.Pacer | None = None):
+    self.env, self.policy = env, policy
+    self.act_fn, self.value_fn, self.params_fn = act_fn, value_fn, params_fn
+    self.builder, self.rng, self.seed = builder, rng, seed
+    self.clock, self.pacer = clock, pacer
+    self.episodes = collector_lib.EpisodeTracker()
+    self.timing = collections.defaultdict(float)
+    self.num_acts = 0
+    self.env_steps = 0
+    self._obs: protocol.Observation | None = None
+    self._started_ready = False
+
+  def _busy(self, stage: str):
+    if self.clock is None:
+      return _Null()
+    return self.clock.busy(stage)
+
+  def _act(self, env_ids: np.ndarray, obs: protocol.Observation) -> np.ndarray:
+    """Inference on ``env_ids``'s ``obs``; records the chunks; returns actions."""
+    starting = self.builder.starting(env_ids)
+    version = None
+    if self.pacer is not None and starting:
+      t0 = time.perf_counter()
+      version = self.pacer.start(starting, self.params_fn()[1])
+      self.timing["pace_wait_s"] += time.perf_counter() - t0
+    params, got = self.params_fn()
+    if version is not None and got < version:  # (params_fn is monotone; defensive)
+      raise RuntimeError(f"rollout params version {got} is older than the paced {version}")
+    t0 = time.perf_counter()
+    with self._busy("inference"):
+      batch = self.policy.prepare(obs)
+      key = jax.random.fold_in(self.rng, self.num_acts)
+      out = jax.device_get(self.act_fn(params, batch, key))
+    self.timing["inference_s"] += time.perf_counter() - t0
+    self.num_acts += 1
+    self.builder.on_act(env_ids, batch, out, got)
+    return np.asarray(out.actions)
+
+  def _finish(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> None:
+    self.episodes.add(result.episodes)
+    self.env_steps += int(result.steps.sum())
+    full = self.builder.on_result(env_ids, result)
+    if full.size:
+      params, _ = self.params_fn()
+      with self._busy("inference"):
+        values = np.asarray(jax.device_get(
+            self.value_fn(params, self.policy.prepare(result.obs.take(full)))))
+      self.builder.complete(env_ids[full], values)
+
+  # ---------------------------------------------------------------- lockstep --
+  def step_all(self) -> None:
+    """One chunk for every env (``env.step_chunk``)."""
+    if self._obs is None:
+      self._obs = self.env.reset(self.seed)
+    ids = np.arange(self.env.num_envs)
+    actions = self._act(ids, self._obs)
+    t0 = time.perf_counter()
+    with self._busy("env"):
+      result = self.env.step_chunk(actions)
+    self.timing["env_s"] += time.perf_counter() - t0
+    self._obs = result.obs
+    self._finish(ids, result)
+
+  # ------------------------------------------------------------- first-ready --
+  def step_ready(self, b_max: int, t_max_s: float) -> None:
+    """One first-ready batch: ``recv(b_max, t_max)``, finish, act, ``send``.
+
+    The env workers step in parallel with this thread; the ``env`` stage is busy
+    while any chunk is in flight (recorded from the pool's send/recv times).
+    """
+    if not self._started_ready:
+      obs = self.env.reset(self.seed)
+      ids = np.arange(self.env.num_envs)
+      self.env.send(self._act(ids, obs), ids)
+      self._started_ready = True
+      self._env_busy_since = time.perf_counter()
+    t0 = time.perf_counter()
+    ids, result = self.env.recv(b_max, t_max_s)
+    t1 = time.perf_counter()
+    self.timing["recv_wait_s"] += t1 - t0
+    self._finish(ids, result)
+    actions = self._act(ids, result.obs)
+    self.env.send(actions, ids)
+    if self.clock is not None:  # Env workers were stepping since the last send.
+      self.clock.add("env", self._env_busy_since, t1)
+      self._env_busy_since = time.perf_counter()
+
+  def in_flight(self) -> tuple[int, int]:
+    return self.builder.in_flight()
+
+
+class _Null:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False

@@ -1,0 +1,295 @@
+"""GRPO in the pipeline: episodes gathered into groups, the update, and the streamed
+update against the non-streamed one."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import default
+from jaxvla.envs import builtin, protocol
+from jaxvla.learner import grpo_update as grpo_update_lib
+from jaxvla.learner import learner as learner_lib
+from jaxvla.models import policy as policy_lib
+from jaxvla.runtime import episodes as episodes_lib
+from jaxvla.runtime import rollout as rollout_lib
+
+NUM_ENVS, GROUP_SIZE = 4, 2
+
+
+# ----------------------------------------------------------- builder alone --
+def _act(builder, env_ids, step, version=0):
+  """Acts on ``env_ids`` with inputs ``x = 10 * env + step`` (to trace padding)."""
+  env_ids = np.asarray(env_ids)
+  x = (10 * env_ids + step).astype(np.float32)
+  b = len(env_ids)
+  out = policy_lib.ActOutput(actions=np.zeros((b, 1, 1)), chain=x[:, None] * np.ones((b, 3)),
+                             log_prob=-x, log_prob_dims=np.zeros((b, 1, 1)),
+                             value=np.zeros(b))
+  builder.on_act(env_ids, {"x": x[:, None]}, out, version)
+
+
+def _result(env_ids, ended, episode_of, returns, group_size=GROUP_SIZE):
+  """A chunk result for ``env_ids`` where envs ``ended`` finish episode ``episode_of[i]``."""
+  env_ids = np.asarray(env_ids)
+  done = np.isin(env_ids, ended)
+  stats = [protocol.EpisodeStats(env_id=int(i), group=int(i) // group_size,
+                                 episode=episode_of[i], episode_return=returns[i], length=0,
+                                 success=False, truncated=False) for i in ended]
+  n = len(env_ids)
+  return protocol.ChunkStep(obs=None, reward=np.ones(n, np.float32), terminated=done,
+                            truncated=np.zeros(n, bool), success=np.zeros(n, bool),
+                            steps=np.full(n, 5, np.int32), episodes=stats)
+
+
+def test_builder_gathers_groups_whose_members_finish_apart():
+  """Group-mates finish at different chunks (and start their next episodes at once);
+  each group is emitted once all its members are in, padded and normalised."""
+  builder = episodes_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=3)
+  ids = np.arange(NUM_ENVS)
+  returns = {0: 1.0, 1: 0.0, 2: 3.0, 3: 1.0}
+  plan = [[0], [1, 2], [0, 3]]  # Envs ending an episode at each chunk step.
+  episode = {i: 0 for i in ids}
+  for step, ended in enumerate(plan):
+    _act(builder, ids, step, version=step)
+    rows = builder.on_result(ids, _result(ids, ended, episode, returns))
+    assert rows.dtype == np.int64 and rows.size == 0  # No bootstrap, ever.
+    for i in ended:
+      episode[i] += 1
+    if step == 0:
+      assert builder.pop_items() == []
+      assert builder.in_flight() == (4, 4)  # env 0's episode waits for env 1's.
+  items = builder.pop_items()
+  assert len(items) == 2
+  (g0, g1) = [it.data for it in items]
+  np.testing.assert_array_equal(g0.group, [0, 0])
+  np.testing.assert_array_equal(g0.episode, [0, 0])
+  np.testing.assert_array_equal(g1.group, [1, 1])
+  np.testing.assert_array_equal(g0.mask.T, [[1, 0, 0], [1, 1, 0]])
+  np.testing.assert_array_equal(g1.mask.T, [[1, 1, 0], [1, 1, 1]])
+  # Padding repeats the episode's last chunk, log-prob 0, no steps.
+  np.testing.assert_array_equal(g0.batch["x"][:, 0, 0], [0, 0, 0])
+  np.testing.assert_array_equal(g0.chain[:, 1, 0], [10, 11, 11])
+  np.testing.assert_array_equal(g0.log_prob[:, 1], [-10, -11, 0])
+  np.testing.assert_array_equal(g0.steps[:, 0], [5, 0, 0])
+  np.testing.assert_array_equal(g1.policy_version[:, 0], [0, 1, 1])
+  # Versions and counts cover played chunks only.
+  assert items[0].num_chunks == 3 and items[0].versions.tolist() == [0, 0, 1]
+  assert items[0].oldest_version == 0 and items[0].num_env_steps == 15
+  # (R - mean) / (std + eps) per group.
+  np.testing.assert_allclose(g0.advantage, [1.0, -1.0], atol=1e-5)
+  np.testing.assert_allclose(g1.advantage, [1.0, -1.0], atol=1e-5)
+  np.testing.assert_allclose(g1.episode_return, [3.0, 1.0])
+  # Env 0's second episode waits for env 1's; envs 1 and 2 have one chunk open.
+  assert builder.in_flight() == (3, 4)
+  cat = episodes_lib.concat_episode_batches([g0, g1])
+  assert cat.num_episodes == 4 and cat.log_prob.shape == (3, 4)
+
+
+def test_builder_errors():
+  builder = episodes_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=2)
+  ids = np.arange(NUM_ENVS)
+  with pytest.raises(RuntimeError, match="env 0: a result arrived with no chunk"):
+    builder.on_result(ids, _result(ids, [], {}, {}))
+  _act(builder, ids, 0)
+  bad = _result(ids, [1], {1: 0}, {1: 0.0})
+  bad.episodes.clear()
+  with pytest.raises(RuntimeError, match="env 1: its episode ended but .* no EpisodeStats"):
+    builder.on_result(ids, bad)
+
+  builder = episodes_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=2)
+  for step in range(2):
+    _act(builder, ids, step)
+    if step == 1:
+      with pytest.raises(RuntimeError, match="max_chunks=2"):
+        builder.on_result(ids, _result(ids, [], {}, {}))
+    else:
+      builder.on_result(ids, _result(ids, [], {}, {}))
+
+  builder = episodes_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=2)
+  _act(builder, ids, 0)
+  with pytest.raises(ValueError, match="group_size"):  # Env built with G = 1.
+    builder.on_result(ids, _result(ids, [3], {3: 0}, {3: 0.0}, group_size=1))
+  with pytest.raises(RuntimeError, match="no bootstrap"):
+    builder.complete(ids[:1], np.zeros(1))
+  with pytest.raises(ValueError, match="env.group_size=3"):
+    episodes_lib.EpisodeBuilder(NUM_ENVS, 3, max_chunks=2)
+
+
+# ------------------------------------------------------------ with the env --
+def _config(**ppo):
+  c = default.get_config("smoke")
+  c.num_envs, c.env.group_size = NUM_ENVS, GROUP_SIZE
+  c.model.num_denoise_steps = 2
+  # Easy reaches, 3 chunks at most: an untrained policy's returns and lengths vary.
+  c.env.max_episode_steps, c.env.max_speed = 15, 0.5
+  c.env.goal_radius = c.env.wrong_target_radius = 0.35
+  for k, v in dict(algorithm="grpo", loss_normalizer="trajectory", grpo_scale=True).items():
+    if k not in c.ppo:  # (Until configs/default.py has them.)
+      c.ppo[k] = v
+  c.ppo.algorithm = "grpo"
+  c.ppo.update(ppo)
+  return c
+
+
+@functools.lru_cache(maxsize=1)
+def _collect():
+  """Two GRPO items from a lockstep rollout of the built-in env (cached: read-only use)."""
+  c = _config()
+  env = builtin.make(c.env, c.num_envs, 0)
+  pol = policy_lib.make_policy(c.model, env.spec)
+  params = pol.init(jax.random.PRNGKey(0))
+  act = jax.jit(functools.partial(pol.act, mode="train"))
+  k = episodes_lib.max_chunks_per_episode(c.env.max_episode_steps, c.model.chunk_len)
+  builder = episodes_lib.EpisodeBuilder(c.num_envs, c.env.group_size, k,
+                                        scale=c.ppo.grpo_scale)
+
+  def no_values(*_):
+    raise AssertionError("GRPO asked for bootstrap values")
+
+  ro = rollout_lib.Rollout(env, pol, act, no_values, lambda: (params, 3), builder,
+                           jax.random.PRNGKey(1), seed=0)
+  items = []
+  for _ in range(20):
+    ro.step_all()
+    items += builder.pop_items()
+    if len(items) >= 2:
+      break
+  env.close()
+  stats = {(e.env_id, e.episode): e for e in ro.episodes.recent}
+  return c, pol, params, items, stats
+
+
+def test_rollout_items_are_whole_groups():
+  c, _, _, items, stats = _collect()
+  assert len(items) >= 2
+  k = episodes_lib.max_chunks_per_episode(c.env.max_episode_steps, c.model.chunk_len)
+  for it in items:
+    eb = it.data
+    assert eb.log_prob.shape == (k, GROUP_SIZE) and eb.mask.shape == (k, GROUP_SIZE)
+    # One group: the same (group, episode) for its G envs, which started alike.
+    assert len(set(eb.group.tolist())) == 1 and len(set(eb.episode.tolist())) == 1
+    np.testing.assert_array_equal(eb.batch["images"][0, 0], eb.batch["images"][0, 1])
+    np.testing.assert_array_equal(eb.batch["state"][0, 0], eb.batch["state"][0, 1])
+    envs = eb.group[0] * GROUP_SIZE + np.arange(GROUP_SIZE)
+    for col, env_id in enumerate(envs):
+      s = stats[(int(env_id), int(eb.episode[col]))]
+      assert eb.steps[:, col].sum() == s.length
+      assert eb.mask[:, col].sum() == -(-s.length // c.model.chunk_len)
+      assert eb.episode_return[col] == np.float32(s.episode_return)
+      assert eb.mask[:, col].tolist() == sorted(eb.mask[:, col].tolist(), reverse=True)
+    r = eb.episode_return
+    np.testing.assert_allclose(eb.advantage, (r - r.mean()) / (r.std() + 1e-6), atol=1e-5)
+    assert abs(eb.advantage.sum()) < 1e-5
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves((eb.batch, eb.chain, eb.log_prob)))
+    assert (eb.log_prob[~eb.mask] == 0).all() and (eb.steps[~eb.mask] == 0).all()
+    for col in range(GROUP_SIZE):  # Padding repeats the last played chunk.
+      last = eb.mask[:, col].sum() - 1
+      np.testing.assert_array_equal(eb.chain[last:, col], np.broadcast_to(
+          eb.chain[last, col], eb.chain[last:, col].shape))
+    assert it.num_chunks == eb.mask.sum() and (it.versions == 3).all()
+    assert it.num_env_steps == eb.steps.sum()
+  assert any((~it.data.mask).any() for it in items)  # (Some episode ended early: padded.)
+
+
+def test_grpo_update_changes_params():
+  c, pol, params, items, _ = _collect()
+  c = _config(num_epochs=2, num_minibatches=2, correction="decoupled")
+  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  state = learner_lib.init_state(jax.tree.map(np.array, params), lrn.ppo_tx,
+                                 jax.random.PRNGKey(2))
+  update = grpo_update_lib.grpo_update(lrn)
+  eb = episodes_lib.concat_episode_batches([it.data for it in items[:2]])
+  assert np.abs(eb.advantage).max() > 0.5  # (Else there would be no gradient.)
+  new_state, metrics = update(state, eb)
+  metrics = jax.device_get(metrics)
+  assert int(new_state.step) == 1
+  for k in ("loss", "policy_loss", "approx_kl", "grad_norm", "advantage_std",
+            "episode_return_mean", "episode_length_mean"):
+    assert np.isfinite(metrics[k]), k
+  assert "value_loss" not in metrics
+  assert metrics["episode_length_mean"] == eb.mask.sum(0).mean()
+  moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), new_state.params, params)
+  assert max(jax.tree.leaves(moved)) > 0
+  with pytest.raises(ValueError, match="ppo.num_minibatches=3"):
+    bad = _config(num_minibatches=3)
+    grpo_update_lib.grpo_update(learner_lib.Learner(pol, c.bc, bad.ppo))(new_state, eb)
+
+
+class _LinearGaussian:
+  """A cheap stand-in policy for the streamed-vs-update checks (they do not depend on
+  the network): executed actions ``~ N(tanh(state W), exp(log_std)^2)``."""
+
+  def init(self, state_dim, action_size):
+    return dict(w=0.3 * jax.random.normal(jax.random.PRNGKey(7), (state_dim, action_size)),
+                log_std=jnp.full((action_size,), -0.5))
+
+  def evaluate(self, params, batch, chain):
+    x = chain[:, -1].reshape(chain.shape[0], -1)  # [N, H * A] executed chunk.
+    mean = jnp.tanh(batch["state"] @ params["w"])
+    std = jnp.exp(params["log_std"])
+    logp = jax.scipy.stats.norm.logpdf(x, mean, std)
+    entropy = jnp.sum(params["log_std"] + 0.5 * jnp.log(2 * jnp.pi * jnp.e)) * jnp.ones(len(x))
+    return policy_lib.Evaluation(log_prob=logp.sum(-1), log_prob_dims=logp,
+                                 value=jnp.zeros(len(x)), entropy=entropy)
+
+
+def _near_policy(pol, params, eb, seed):
+  """``eb`` with behaviour log-probs near ``pol``'s at ``params`` (ratios off 1, finite)."""
+  k, e = eb.log_prob.shape
+  flat = lambda x: x.reshape((k * e,) + x.shape[2:])
+  logp = pol.evaluate(params, jax.tree.map(flat, eb.batch), flat(eb.chain)).log_prob
+  noise = 0.2 * np.random.default_rng(seed).normal(size=(k, e))
+  return eb.replace(log_prob=np.where(eb.mask, np.asarray(logp).reshape(k, e) + noise, 0.0)
+                    .astype(np.float32))
+
+
+@pytest.mark.parametrize("normalizer", ["trajectory", "constant"])
+def test_streamed_grpo_equals_the_update(monkeypatch, normalizer):
+  """Micro-batch gradients (one group each), accumulated and applied once, equal
+  one single-minibatch GRPO update of the concatenated groups.
+
+  The rollout's groups are scored by a linear-Gaussian policy (the accumulation
+  does not depend on the network, and its compiles take a second, not 20).
+  Adam's eps is 1e-3 (see test_pipeline's streamer test for why).
+  """
+  monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip: optax.chain(
+      optax.clip_by_global_norm(clip), optax.adam(lr, eps=1e-3)))
+  _, _, _, items, _ = _collect()
+  pol = _LinearGaussian()
+  eb0 = items[0].data
+  params = pol.init(eb0.batch["state"].shape[-1], int(np.prod(eb0.chain.shape[-2:])))
+  groups = [_near_policy(pol, params, it.data, seed) for seed, it in enumerate(items[:2])]
+  c = _config(num_epochs=1, num_minibatches=1, loss_normalizer=normalizer,
+              correction="decoupled", learning_rate=1e-2)
+  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  copy = lambda t: jax.tree.map(np.array, jax.device_get(t))
+  state0 = copy(learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(2)))
+  eb = episodes_lib.concat_episode_batches(groups)
+  assert np.abs(eb.advantage).max() > 0.5  # (Else there would be no gradient.)
+  ref_state, ref_metrics = grpo_update_lib.grpo_update(lrn)(jax.device_put(state0), eb)
+  micro = grpo_update_lib.grpo_micro_grads(lrn)
+  state = jax.device_put(state0)
+  acc = None
+  for g in groups:
+    acc = lrn.accumulate(acc, micro(state.params, g, eb.num_episodes))
+  new_state, metrics = lrn.apply(state, acc)
+  close = functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-6)
+  jax.tree.map(close, jax.device_get(new_state.params), jax.device_get(ref_state.params))
+  jax.tree.map(close, jax.device_get(new_state.opt_state), jax.device_get(ref_state.opt_state))
+  assert int(new_state.step) == int(ref_state.step) == 1
+  moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), copy(new_state.params), state0.params)
+  assert min(jax.tree.leaves(moved)) > 1e-4
+  for k in ("loss", "policy_loss", "entropy", "approx_kl", "clip_frac", "is_weight",
+            "grad_norm", "episode_return_mean", "episode_length_mean"):
+    close(metrics[k], ref_metrics[k], atol=1e-5, err_msg=k)  # (loss ~ 0: sums cancel.)
+
+
+def test_streamed_chunks_normalizer_is_an_error():
+  _, pol, _, _, _ = _collect()
+  c = _config(loss_normalizer="chunks")
+  with pytest.raises(ValueError, match="config.ppo.loss_normalizer='chunks'"):
+    grpo_update_lib.grpo_micro_grads(learner_lib.Learner(pol, c.bc, c.ppo))

@@ -1,0 +1,238 @@
+"""Off-policy corrections of the PPO loss and GRPO's pieces against NumPy references."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from jaxvla.algorithms import grpo, ppo
+
+CLIP_EPS, VALUE_COEF, ENTROPY_COEF = 0.2, 0.5, 0.01
+# (correction, is_clip): decoupled is checked with and without truncation.
+CASES = [("none", 0.0), ("decoupled", 0.0), ("decoupled", 1.3), ("truncated_is", 1.3)]
+METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "is_weight",
+           "is_truncated_frac")
+
+
+def make_inputs(n, seed=0):
+  """Random chunk inputs: new/old/proximal log-probs, advantages, values, returns, entropy."""
+  rng = np.random.default_rng(seed)
+  old = rng.normal(size=n)
+  prox = old + 0.4 * rng.normal(size=n)
+  new = prox + 0.3 * rng.normal(size=n)
+  adv, val, ret, ent = (rng.normal(size=n) for _ in range(4))
+  w = rng.random(n)
+  return dict(new=new, old=old, prox=prox, adv=adv, val=val, ret=ret, ent=ent,
+              w=w / w.sum())
+
+
+def numpy_ppo(d, correction, is_clip):
+  """Reference loss, metrics and d loss / d new_log_prob."""
+  new, old, prox, adv, w = d["new"], d["old"], d["prox"], d["adv"], d["w"]
+  ref = prox if correction == "decoupled" else old
+  ratio = np.exp(new - ref)
+  if correction == "truncated_is":
+    rho = np.minimum(ratio, is_clip)
+    truncated = ratio > is_clip
+    pg_terms = -rho * adv * new
+    grad = -w * rho * adv
+  else:
+    if correction == "decoupled":
+      raw = np.exp(prox - old)
+      rho = np.minimum(raw, is_clip) if is_clip > 0 else raw
+      truncated = raw > is_clip if is_clip > 0 else np.zeros_like(raw, bool)
+    else:
+      rho, truncated = np.ones_like(ratio), np.zeros_like(ratio, bool)
+    unclipped = ratio * adv
+    clipped = np.clip(ratio, 1 - CLIP_EPS, 1 + CLIP_EPS) * adv
+    pg_terms = -rho * np.minimum(unclipped, clipped)
+    # The unclipped branch carries the gradient where it is the minimum; clipped: none.
+    grad = -w * rho * unclipped * (unclipped <= clipped)
+  metrics = dict(
+      policy_loss=np.sum(w * pg_terms), value_loss=0.5 * np.sum(w * (d["val"] - d["ret"]) ** 2),
+      entropy=np.sum(w * d["ent"]), approx_kl=np.sum(w * (ratio - 1 - np.log(ratio))),
+      clip_frac=np.sum(w * (np.abs(ratio - 1) > CLIP_EPS)), is_weight=np.sum(w * rho),
+      is_truncated_frac=np.sum(w * truncated))
+  loss = (metrics["policy_loss"] + VALUE_COEF * metrics["value_loss"]
+          - ENTROPY_COEF * metrics["entropy"])
+  return loss, metrics, grad
+
+
+def jax_ppo(d, correction, is_clip, weights="w"):
+  """Loss, metrics and gradients w.r.t. (new_log_prob, new_value, entropy)."""
+  f32 = lambda k: jnp.asarray(d[k], jnp.float32)
+  w = None if weights is None else f32(weights)
+
+  def loss_fn(new, val, ent):
+    return ppo.ppo_loss(new, f32("old"), f32("adv"), val, f32("ret"), ent, clip_eps=CLIP_EPS,
+                        value_coef=VALUE_COEF, entropy_coef=ENTROPY_COEF, weights=w,
+                        correction=correction, proximal_log_prob=f32("prox"), is_clip=is_clip)
+
+  (loss, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)(
+      f32("new"), f32("val"), f32("ent"))
+  return loss, metrics, grads
+
+
+@pytest.mark.parametrize("correction,is_clip", CASES)
+def test_corrections_match_numpy(correction, is_clip):
+  d = make_inputs(64)
+  loss, metrics, (g_new, g_val, g_ent) = jax_ppo(d, correction, is_clip)
+  ref_loss, ref_metrics, ref_grad = numpy_ppo(d, correction, is_clip)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+  for k in METRICS:
+    np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(g_new, ref_grad, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(g_val, VALUE_COEF * d["w"] * (d["val"] - d["ret"]), rtol=1e-5,
+                             atol=1e-7)
+  np.testing.assert_allclose(g_ent, -ENTROPY_COEF * d["w"], rtol=1e-5)
+  if is_clip > 0:  # The case must exercise truncation, or it checks nothing about it.
+    assert 0 < ref_metrics["is_truncated_frac"] < 1
+
+
+@pytest.mark.parametrize("correction,is_clip", CASES)
+def test_weights_none_is_the_mean(correction, is_clip):
+  d = make_inputs(48, seed=1)
+  d["uniform"] = np.full(48, 1 / 48)
+  loss, metrics, grads = jax_ppo(d, correction, is_clip, weights=None)
+  ref_loss, ref_metrics, ref_grads = jax_ppo(d, correction, is_clip, weights="uniform")
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for k in METRICS:
+    np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-6, atol=1e-7, err_msg=k)
+  for g, ref in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, ref, rtol=1e-6)
+  if correction == "none":
+    np.testing.assert_allclose(metrics["is_weight"], 1.0, rtol=1e-6)
+    assert float(metrics["is_truncated_frac"]) == 0.0
+
+
+@pytest.mark.parametrize("correction,is_clip", CASES)
+def test_micro_batches_add_up_to_the_batch(correction, is_clip):
+  d = make_inputs(40, seed=2)
+  h = 17  # Uneven halves: the weights are global, not per micro-batch.
+  first = {k: v[:h] for k, v in d.items()}
+  second = {k: v[h:] for k, v in d.items()}
+  loss, metrics, grads = jax_ppo(d, correction, is_clip)
+  loss_a, metrics_a, grads_a = jax_ppo(first, correction, is_clip)
+  loss_b, metrics_b, grads_b = jax_ppo(second, correction, is_clip)
+  np.testing.assert_allclose(loss, loss_a + loss_b, rtol=1e-5, atol=1e-7)
+  for k in METRICS:
+    np.testing.assert_allclose(metrics[k], metrics_a[k] + metrics_b[k], rtol=1e-5, atol=1e-7,
+                               err_msg=k)
+  for g, ga, gb in zip(grads, grads_a, grads_b):
+    np.testing.assert_allclose(g, np.concatenate([ga, gb]), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("correction,is_clip", CASES)
+def test_zero_weight_padding_contributes_nothing(correction, is_clip):
+  d = make_inputs(16, seed=3)
+  pad = make_inputs(8, seed=4)
+  pad["new"] = pad["old"] + 1000.0  # exp overflows to inf in float32.
+  pad["prox"] = pad["old"] + 500.0
+  pad["adv"] = np.full(8, 1e6)
+  pad["w"] = np.zeros(8)
+  padded = {k: np.concatenate([d[k], pad[k]]) for k in d}
+  loss, metrics, grads = jax_ppo(padded, correction, is_clip)
+  ref_loss, ref_metrics, ref_grads = jax_ppo(d, correction, is_clip)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for k in METRICS:
+    np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-6, atol=1e-9, err_msg=k)
+  for g, ref in zip(grads, ref_grads):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_array_equal(g[16:], 0.0)
+    np.testing.assert_allclose(g[:16], ref, rtol=1e-6)
+
+
+def test_decoupled_on_proximal_data_is_plain_ppo():
+  d = make_inputs(32, seed=5)
+  d["old"] = d["prox"]  # Behaviour = proximal: the behaviour weight is exactly 1.
+  loss, metrics, grads = jax_ppo(d, "decoupled", 1.3)
+  ref_loss, ref_metrics, ref_grads = jax_ppo(d, "none", 0.0)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  np.testing.assert_allclose(metrics["is_weight"], 1.0, rtol=1e-6)
+  for g, ref in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, ref, rtol=1e-6)
+
+
+def test_bad_arguments_are_named():
+  x = jnp.zeros(4)
+  loss = functools.partial(ppo.ppo_loss, x, x, x, x, x, x, clip_eps=0.2, value_coef=0.5,
+                           entropy_coef=0.0)
+  with pytest.raises(ValueError, match="'bogus'"):
+    loss(correction="bogus")
+  with pytest.raises(ValueError, match="proximal_log_prob"):
+    loss(correction="decoupled")
+  with pytest.raises(ValueError, match="is_clip"):
+    loss(correction="truncated_is", is_clip=0.0)
+  with pytest.raises(ValueError, match="'bogus'.*chunks"):
+    grpo.chunk_weights(np.ones((2, 3), bool), "bogus")
+
+
+def test_loss_kwargs_read_the_ppo_config():
+  from configs import default
+  cfg = default.get_config().ppo
+  cfg.correction, cfg.is_clip = "truncated_is", 2.0
+  kwargs = ppo.loss_kwargs(cfg)
+  assert (kwargs["correction"], kwargs["is_clip"]) == ("truncated_is", 2.0)
+
+
+def numpy_group_advantages(returns, groups, valid, scale, eps):
+  adv = np.zeros_like(returns)
+  for g in np.unique(groups):
+    members = (groups == g) & valid
+    if members.sum() < 2:
+      continue
+    r = returns[members]
+    adv[members] = (r - r.mean()) / (r.std() + eps) if scale else r - r.mean()
+  return adv
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_group_advantages_match_numpy(scale):
+  rng = np.random.default_rng(6)
+  num_groups, size = 6, 4
+  groups = np.repeat(np.arange(num_groups), size)
+  returns = rng.normal(size=groups.size).astype(np.float32)
+  valid = rng.random(groups.size) < 0.8
+  valid[groups == 1] = [True, False, False, False]  # Single valid member: advantage 0.
+  valid[groups == 2] = False  # No valid member.
+  valid[groups == 3] = True
+  returns[~valid] = np.nan  # Padding may hold anything.
+  fn = jax.jit(grpo.group_advantages, static_argnums=2, static_argnames="scale")
+  adv = fn(returns, groups.astype(np.int32), num_groups, scale=scale, valid=valid)
+  ref = numpy_group_advantages(returns, groups, valid, scale, 1e-6)
+  np.testing.assert_allclose(adv, ref, rtol=1e-5, atol=1e-6)
+  assert np.all(np.asarray(adv)[~valid] == 0.0)
+  assert np.all(np.asarray(adv)[groups == 1] == 0.0)
+
+
+def test_group_advantages_all_valid_and_shuffled_groups():
+  rng = np.random.default_rng(7)
+  groups = rng.permutation(np.repeat(np.arange(5), 3))
+  returns = rng.normal(size=15)
+  adv = grpo.group_advantages(returns, groups, 5)
+  ref = numpy_group_advantages(returns, groups, np.ones(15, bool), True, 1e-6)
+  np.testing.assert_allclose(adv, ref, rtol=1e-5, atol=1e-6)
+  same = grpo.group_advantages(np.ones(4), np.zeros(4, np.int32), 1)
+  np.testing.assert_array_equal(same, 0.0)  # Equal returns: no signal, no NaN.
+
+
+def test_chunk_weights_normalizers():
+  k = 4
+  mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]], bool)
+  lengths = mask.sum(1).astype(np.float64)  # [4, 2, 0, 1]; 3 non-empty episodes.
+  per_episode = {
+      "chunks": np.full(4, 1 / 7),
+      "trajectory": np.array([1 / 4, 1 / 2, 0.0, 1.0]) / 3,
+      "constant": np.full(4, 1 / (k * 3)),
+  }
+  for name, row in per_episode.items():
+    w = np.asarray(grpo.chunk_weights(mask, name))
+    assert w.dtype == np.float32
+    np.testing.assert_allclose(w, mask * row[:, None], rtol=1e-6, err_msg=name)
+    expected_sum = lengths[lengths > 0].mean() / k if name == "constant" else 1.0
+    np.testing.assert_allclose(w.sum(), expected_sum, rtol=1e-6, err_msg=name)
+  for name in grpo.NORMALIZERS:  # Nothing valid: zero weights, not NaN.
+    np.testing.assert_array_equal(grpo.chunk_weights(np.zeros((2, 3), bool), name), 0.0)

@@ -1,0 +1,283 @@
+"""The asynchronous pipeline: queue, pacing, weight broadcast, segment building,
+the streamed learner against the non-streamed one, and every mode end to end."""
+
+import functools
+import json
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from configs import default
+from jaxvla import train
+from jaxvla.envs import builtin, protocol
+from jaxvla.learner import learner as learner_lib
+from jaxvla.models import policy as policy_lib
+from jaxvla.rollout import collector as collector_lib
+from jaxvla.runtime import params as params_lib
+from jaxvla.runtime import pipeline as pipeline_lib
+from jaxvla.runtime import queue as queue_lib
+from jaxvla.runtime import rollout as rollout_lib
+
+
+def _item(versions, steps=5):
+  versions = np.asarray(versions, np.int32)
+  return queue_lib.Item(data=None, versions=versions, num_chunks=versions.size,
+                        num_env_steps=steps * versions.size)
+
+
+# -------------------------------------------------------------------- queue --
+def test_queue_drops_stale_items_and_counts_them():
+  q = queue_lib.TrajectoryQueue(capacity=4, max_staleness=1)
+  q.put(_item([0, 0]))
+  q.put(_item([1, 2]))
+  q.put(_item([2, 2]))
+  item, staleness = q.get(learner_version=2)  # [0, 0] is 2 versions old: dropped.
+  assert item.oldest_version == 1 and staleness == 1
+  assert q.stats.dropped_items == 1 and q.stats.dropped_chunks == 2
+  assert q.stats.dropped_env_steps == 10
+  assert q.get(learner_version=2)[1] == 0
+  with pytest.raises(TimeoutError):
+    q.get(learner_version=2, timeout=0.01)
+
+
+def test_queue_full_blocks_producer_until_get():
+  q = queue_lib.TrajectoryQueue(capacity=1, max_staleness=-1)
+  q.put(_item([0]))
+  with pytest.raises(TimeoutError, match="full"):
+    q.put(_item([0]), timeout=0.05)
+  done = threading.Event()
+
+  def producer():
+    q.put(_item([1]))
+    done.set()
+
+  t = threading.Thread(target=producer)
+  t.start()
+  time.sleep(0.05)
+  assert not done.is_set()  # Blocked: nothing was dropped to make room.
+  q.get(0)
+  t.join(5)
+  assert done.is_set() and len(q) == 1 and q.stats.dropped_items == 0
+
+
+def test_queue_close_wakes_waiters():
+  q = queue_lib.TrajectoryQueue(capacity=1, max_staleness=-1)
+  errors = []
+
+  def consumer():
+    try:
+      q.get(0)
+    except queue_lib.Closed:
+      errors.append("closed")
+
+  t = threading.Thread(target=consumer)
+  t.start()
+  q.close()
+  t.join(5)
+  assert errors == ["closed"]
+  with pytest.raises(queue_lib.Closed):
+    q.put(_item([0]))
+
+
+def test_pacer_bounds_started_segments_by_version():
+  pacer = queue_lib.Pacer(segments_per_update=4, max_staleness=1)
+  assert pacer.start(4, version=0) == 0
+  assert pacer.start(4, version=0) == 0  # (0 + 1 + 1) * 4 = 8 may start with version 0.
+  started = []
+  t = threading.Thread(target=lambda: started.append(pacer.start(2, version=0)))
+  t.start()
+  time.sleep(0.05)
+  assert not started  # The 9th segment must wait for version 1.
+  pacer.set_version(1)
+  t.join(5)
+  assert started == [1] and pacer.started == 10
+  pacer.close()
+  with pytest.raises(queue_lib.Closed):
+    pacer.start(100, version=1)
+
+
+# ------------------------------------------------------------------- params --
+def test_param_server_copies_and_versions():
+  landed = []
+  server = params_lib.ParamServer(jax.devices()[0], on_ready=lambda v, a, b: landed.append(v))
+  params = {"w": jax.numpy.ones((3,))}
+  server.publish(params, 0, wait=True)
+  got, version = server.latest()
+  assert version == 0 and landed == [0]
+  # A copy, not an alias: deleting (donating) the learner's array leaves it valid.
+  params["w"].delete()
+  np.testing.assert_array_equal(got["w"], np.ones(3))
+  server.publish({"w": jax.numpy.full((3,), 2.0)}, 1)
+  deadline = time.time() + 10
+  while server.version() < 1 and time.time() < deadline:
+    time.sleep(0.01)
+  np.testing.assert_array_equal(server.latest()[0]["w"], np.full(3, 2.0))
+  server.close()
+
+
+# ----------------------------------------------------------------- segments --
+def _setup(num_envs=4, **overrides):
+  c = default.get_config("smoke")
+  c.num_envs, c.rollout_len = num_envs, 3
+  c.model.num_denoise_steps = 2
+  for k, v in overrides.items():
+    node = c
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  env = builtin.make(c.env, c.num_envs, 0)
+  pol = policy_lib.make_policy(c.model, env.spec)
+  params = pol.init(jax.random.PRNGKey(0))
+  act = jax.jit(functools.partial(pol.act, mode="train"))
+  return c, env, pol, params, act, jax.jit(pol.value)
+
+
+def test_lockstep_segments_equal_the_collector():
+  """Lockstep rollout through the segment builder gives the Collector's trajectory."""
+  c, env, pol, params, act, value = _setup()
+  builder = rollout_lib.SegmentBuilder(c.num_envs, c.rollout_len, 2)
+  keys = jax.random.split(jax.random.PRNGKey(5), c.rollout_len)
+  calls = iter(range(100))
+  act_keyed = lambda p, b, _: act(p, b, keys[next(calls)])
+  ro = rollout_lib.Rollout(env, pol, act_keyed, value, lambda: (params, 7), builder,
+                           jax.random.PRNGKey(0), seed=3)
+  for _ in range(c.rollout_len):
+    ro.step_all()
+  items = builder.pop_items()
+  assert len(items) == 2 and all(it.data.log_prob.shape == (3, 2) for it in items)
+  got = pipeline_lib.concat_items(items)
+  env2 = builtin.make(c.env, c.num_envs, 0)
+  col = collector_lib.Collector(env2, pol, lambda p, b, k: act(p, b, k), value, seed=3)
+  want = col.collect(params, c.rollout_len, jax.random.PRNGKey(5), policy_version=7)
+  for name in ("chain", "log_prob", "value", "reward", "done", "steps", "bootstrap_value",
+               "policy_version"):
+    np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-6,
+                               err_msg=name)
+  jax.tree.map(np.testing.assert_array_equal, got.batch, want.batch)
+  assert builder.in_flight() == (0, 0)
+
+
+def test_result_without_act_is_an_error():
+  builder = rollout_lib.SegmentBuilder(2, 2, 1)
+  step = protocol.ChunkStep(obs=None, reward=np.zeros(1, np.float32),
+                            terminated=np.zeros(1, bool), truncated=np.zeros(1, bool),
+                            success=np.zeros(1, bool), steps=np.ones(1, np.int32), episodes=[])
+  with pytest.raises(RuntimeError, match="env 1: a result arrived with no chunk"):
+    builder.on_result(np.array([1]), step)
+
+
+# ---------------------------------------------------------------- streamer --
+def test_streamed_update_equals_the_non_streamed_one(monkeypatch):
+  """Gradients of micro-batches computed one by one as they arrive, summed and
+  applied once, equal one non-streamed PPO update over the same data.
+
+  Adam's eps is 1e-3 here: with 1e-8 a parameter whose gradient is zero up to
+  float32 rounding moves by +-lr depending on the rounding of two summation
+  orders, which would test Adam's conditioning, not the accumulation.
+  """
+  monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip: optax.chain(
+      optax.clip_by_global_norm(clip), optax.adam(lr, eps=1e-3)))
+  c, env, pol, params, act, value = _setup(
+      num_envs=4, **{"ppo.num_epochs": 1, "ppo.num_minibatches": 1,
+                     "ppo.advantage_norm": "none", "ppo.correction": "decoupled"})
+  builder = rollout_lib.SegmentBuilder(c.num_envs, c.rollout_len, 1)
+  ro = rollout_lib.Rollout(env, pol, act, value, lambda: (params, 0), builder,
+                           jax.random.PRNGKey(1), seed=0)
+  for _ in range(c.rollout_len):
+    ro.step_all()
+  items = builder.pop_items()
+  assert len(items) == 4
+  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  copy = lambda t: jax.tree.map(np.array, jax.device_get(t))
+  state0 = copy(learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(2)))
+  ref_state, ref_metrics = lrn.ppo_update(jax.device_put(state0),
+                                          pipeline_lib.concat_items(items))
+  state = jax.device_put(state0)
+  n = sum(it.num_chunks for it in items)
+  acc = None
+  for it in items:
+    acc = lrn.accumulate(acc, lrn.micro_grads(state.params, it.data, n))
+  new_state, metrics = lrn.apply(state, acc)
+  close = functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-6)
+  jax.tree.map(close, jax.device_get(new_state.params), jax.device_get(ref_state.params))
+  jax.tree.map(close, jax.device_get(new_state.opt_state), jax.device_get(ref_state.opt_state))
+  assert int(new_state.step) == int(ref_state.step) == 1
+  for k in ("loss", "policy_loss", "value_loss", "approx_kl", "grad_norm"):
+    close(metrics[k], ref_metrics[k], err_msg=k)
+
+
+# ---------------------------------------------------------------- end to end --
+def _run(tmp_path, name, **pipeline):
+  c = default.get_config("smoke")
+  c.total_env_steps = 600
+  c.env_workers = 2
+  c.env.latency_ms, c.env.latency_sigma = 1.0, 1.0
+  c.pipeline.micro_batch_segments = 4
+  c.pipeline.update(pipeline)
+  if c.pipeline.streamer:
+    c.ppo.update(num_epochs=1, num_minibatches=2, advantage_norm="none")
+  summary = train.train_and_evaluate(c, str(tmp_path / name))
+  with open(tmp_path / name / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  return c, summary, records
+
+
+@pytest.mark.parametrize("mode,switches", [
+    ("sync_colocated", {}),
+    ("sync_disaggregated", {}),
+    ("async", dict(train_async=True, rollout_async=False, streamer=False)),
+    ("async", dict(train_async=True, rollout_async=True, streamer=True,
+                   staleness_control="pace")),
+    ("async", dict(train_async=False, rollout_async=True, streamer=False)),
+])
+def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
+  c, summary, records = _run(tmp_path, "run", mode=mode, **switches)
+  assert summary["env_steps"] >= c.total_env_steps
+  assert summary["policy_version"] == summary["iterations"] >= 2
+  train_records = [r for r in records if r["phase"] == "train"]
+  assert len(train_records) == summary["iterations"]
+  assert all(np.isfinite(r["loss"]) for r in train_records)
+  last = train_records[-1]
+  for key in ("env_busy", "inference_busy", "learner_busy", "staleness_mean", "queue_depth"):
+    assert key in last, key
+  assert last["staleness_max"] <= c.pipeline.max_staleness
+  if mode == "sync_colocated":
+    assert last["staleness_max"] == 0 and summary["dropped_env_steps"] == 0
+  assert (tmp_path / "run" / "timeline.json").exists()
+
+
+@pytest.mark.parametrize("switches", [dict(mode="sync_colocated"),
+                                      dict(mode="async", train_async=True, rollout_async=True,
+                                           streamer=True)])
+def test_grpo_trains_end_to_end(tmp_path, switches):
+  """GRPO over group resets: one queue item per group of G episodes, streamed or not."""
+  c = default.get_config("smoke")
+  c.total_env_steps = 600
+  c.env_workers = 2
+  c.env.group_size = 2
+  c.ppo.update(algorithm="grpo", num_epochs=1, num_minibatches=2, advantage_norm="none",
+               loss_normalizer="constant")
+  c.pipeline.update(switches)
+  summary = train.train_and_evaluate(c, str(tmp_path / "grpo"))
+  with open(tmp_path / "grpo" / "metrics.jsonl") as f:
+    records = [r for r in map(json.loads, f) if r["phase"] == "train"]
+  assert summary["iterations"] >= 1 and len(records) == summary["iterations"]
+  assert all(np.isfinite(r["loss"]) and "episode_return_mean" in r for r in records)
+
+
+def test_rollout_thread_error_stops_the_run(tmp_path, monkeypatch):
+  def broken(self):
+    raise ValueError("simulated simulator failure")
+
+  monkeypatch.setattr(rollout_lib.Rollout, "step_all", broken)
+  before = {t.name for t in threading.enumerate()}
+  with pytest.raises(RuntimeError, match="rollout thread failed") as info:
+    _run(tmp_path, "err", mode="async", train_async=True, rollout_async=False)
+  assert "simulated simulator failure" in repr(info.value.__cause__)
+  leftover = {t.name for t in threading.enumerate()} - before
+  assert not {"rollout", "broadcaster"} & leftover, leftover
