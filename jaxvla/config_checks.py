@@ -100,6 +100,11 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
   _require(p.b_max >= 0 and p.b_max <= c.num_envs, "pipeline.b_max",
            f"must be in [0, num_envs={c.num_envs}] (0: half the envs), got {p.b_max}")
   _require(p.t_max_ms >= 0, "pipeline.t_max_ms", f"must be >= 0, got {p.t_max_ms}")
+  _require(p.rollout_dtype in ("", "float32", "bfloat16", "float16"), "pipeline.rollout_dtype",
+           f"must be '', 'float32', 'bfloat16' or 'float16', got {p.rollout_dtype!r}")
+  _require(not p.rollout_dtype or p.mode != "sync_colocated", "pipeline.rollout_dtype",
+           "sync_colocated rolls out with the learner's own params (no copy to cast); "
+           "leave it '' or use pipeline.mode='sync_disaggregated' / 'async'")
   _require(p.mode != "sync_colocated" or not c.mesh.rollout_devices, "mesh.rollout_devices",
            "sync_colocated runs rollout on the learner's devices; leave it '' or use "
            "pipeline.mode='sync_disaggregated' / 'async'")

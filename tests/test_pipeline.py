@@ -13,7 +13,7 @@ import pytest
 
 from configs import default
 from jaxvla import train
-from jaxvla.envs import builtin, protocol
+from jaxvla.envs import builtin, make_vec_env, protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import collector as collector_lib
@@ -100,6 +100,24 @@ def test_pacer_bounds_started_segments_by_version():
     pacer.start(100, version=1)
 
 
+def test_pacer_acquire_grants_what_the_limit_allows():
+  pacer = queue_lib.Pacer(segments_per_update=4, max_staleness=0)
+  assert pacer.acquire(3, version=0, block=False) == (3, 0)
+  assert pacer.acquire(3, version=0, block=False) == (1, 0)  # (0 + 0 + 1) * 4 = 4 in all.
+  assert pacer.acquire(2, version=0, block=False) == (0, 0)
+  got = []
+  t = threading.Thread(target=lambda: got.append(pacer.acquire(2, version=0, block=True)))
+  t.start()
+  time.sleep(0.05)
+  assert not got
+  pacer.set_version(1)
+  t.join(5)
+  assert got == [(2, 1)] and pacer.started == 6
+  pacer.close()
+  with pytest.raises(queue_lib.Closed):
+    pacer.acquire(1, version=1, block=True)
+
+
 # ------------------------------------------------------------------- params --
 def test_param_server_copies_and_versions():
   landed = []
@@ -117,6 +135,20 @@ def test_param_server_copies_and_versions():
     time.sleep(0.01)
   np.testing.assert_array_equal(server.latest()[0]["w"], np.full(3, 2.0))
   server.close()
+
+
+def test_param_server_cast_copy():
+  server = params_lib.ParamServer(jax.devices()[0], cast="bfloat16")
+  params = {"w": jax.numpy.full((3,), 1.00001), "step": jax.numpy.array(3, jax.numpy.int32)}
+  server.publish(params, 0, wait=True)
+  got, _ = server.latest()
+  assert got["w"].dtype == jax.numpy.bfloat16 and got["step"].dtype == jax.numpy.int32
+  np.testing.assert_array_equal(np.asarray(got["w"], np.float32), np.ones(3))
+  params["w"].delete()  # The learner's buffers may be donated: the copy is independent.
+  assert np.asarray(got["w"], np.float32).sum() == 3.0
+  server.close()
+  with pytest.raises(ValueError, match="not a floating dtype"):
+    params_lib.ParamServer(jax.devices()[0], cast="int32")
 
 
 # ----------------------------------------------------------------- segments --
@@ -160,6 +192,75 @@ def test_lockstep_segments_equal_the_collector():
                                err_msg=name)
   jax.tree.map(np.testing.assert_array_equal, got.batch, want.batch)
   assert builder.in_flight() == (0, 0)
+
+
+def test_inference_batches_pad_to_buckets():
+  assert [rollout_lib.bucket_size(n, 12) for n in (1, 2, 3, 4, 5, 8, 9, 12)] == [
+      1, 2, 4, 4, 8, 8, 12, 12]
+  with pytest.raises(ValueError, match="outside"):
+    rollout_lib.bucket_size(13, 12)
+  padded = rollout_lib.pad_rows({"x": np.arange(6).reshape(3, 2)}, 4)
+  np.testing.assert_array_equal(padded["x"], [[0, 1], [2, 3], [4, 5], [0, 1]])
+
+
+def test_first_ready_inference_sees_only_bucket_shapes():
+  c, env, policy, params, act, value = _setup(num_envs=6)
+  env.close()
+  c.env.latency_ms, c.env.latency_sigma = 2.0, 1.0  # Ragged readiness: many batch sizes.
+  env = make_vec_env(c.env, 6, 0, num_workers=3, step_timeout_s=60.0)
+  shapes = []
+
+  def recording_act(p, batch, key):
+    shapes.append(batch["state"].shape[0])
+    return act(p, batch, key)
+  builder = rollout_lib.SegmentBuilder(6, 2, 6)
+  ro = rollout_lib.Rollout(env, policy, recording_act, value, lambda: (params, 0), builder,
+                           jax.random.PRNGKey(0), seed=0)
+  try:
+    for _ in range(12):
+      ro.step_ready(b_max=3, t_max_s=0.002)
+  finally:
+    env.close()
+  assert set(shapes) <= {1, 2, 4, 6}, shapes
+  assert ro.env_steps > 0 and len(shapes) == 12  # One act per step_ready.
+
+
+def test_first_ready_pacing_parks_envs_instead_of_deadlocking():
+  """Staleness 0 with ragged envs: fast envs wait at segment starts, slow ones finish.
+
+  A refused segment start must not hold up the envs still inside a segment (their
+  segments are what the learner waits for): the rollout parks the refused envs.
+  """
+  num_envs, seg = 8, 2
+  c, env, policy, params, act, value = _setup(num_envs=num_envs)
+  env.close()
+  c.env.latency_ms, c.env.latency_sigma = 2.0, 1.5
+  env = make_vec_env(c.env, num_envs, 0, num_workers=4, step_timeout_s=60.0)
+  pacer = queue_lib.Pacer(segments_per_update=num_envs, max_staleness=0)
+  version = [0]
+  builder = rollout_lib.SegmentBuilder(num_envs, seg, 2)
+  ro = rollout_lib.Rollout(env, policy, act, value, lambda: (params, version[0]), builder,
+                           jax.random.PRNGKey(0), seed=0, pacer=pacer)
+  updates, segments = [], [0]
+
+  def drive():
+    while len(updates) < 4:
+      ro.step_ready(b_max=2, t_max_s=0.001)
+      for item in builder.pop_items():  # The learner: one update per num_envs segments.
+        assert np.all(item.versions == version[0]), "pacing let a stale segment through"
+        segments[0] += item.data.reward.shape[1]
+        if segments[0] == num_envs * (len(updates) + 1):
+          updates.append(version[0])
+          version[0] += 1
+          pacer.set_version(version[0])
+  t = threading.Thread(target=drive, daemon=True)
+  t.start()
+  t.join(120)
+  alive = t.is_alive()
+  pacer.close()
+  env.close()
+  assert not alive, f"rollout stalled after {len(updates)} updates ({segments[0]} segments)"
+  assert updates == [0, 1, 2, 3]
 
 
 def test_result_without_act_is_an_error():

@@ -68,6 +68,15 @@ class Observation:
     return Observation(self.images[idx], self.state[idx], self.instruction[idx])
 
 
+def concat_observations(parts: list[Observation]) -> Observation:
+  """The batches ``parts`` one after another (``[sum b_i, ...]``)."""
+  if not parts:
+    raise ValueError("concat_observations needs at least one Observation")
+  return Observation(np.concatenate([p.images for p in parts]),
+                     np.concatenate([p.state for p in parts]),
+                     np.concatenate([p.instruction for p in parts]))
+
+
 @dataclasses.dataclass
 class EpisodeStats:
   """Book-keeping of one finished episode.

@@ -11,6 +11,13 @@ and never switches versions inside an action chunk.
 
 Publishing faster than copies land keeps only the newest pending version (an
 older one still in flight is superseded, counted in ``skipped_versions``).
+
+``cast`` (``config.pipeline.rollout_dtype``) makes the rollout's copy a
+lower-precision one: floating leaves are cast on the learner devices (a jitted
+cast, dispatched like the copy) before the transfer, which halves the bytes moved
+and the rollout's memory for bfloat16. The behaviour log-probs are then those of
+the rounded weights, not exactly the learner's; pair it with an off-policy
+correction (``ppo.correction``), as rollout engines in bf16 are used in practice.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxvla import sharding as sharding_lib
 
@@ -37,15 +45,24 @@ class ParamServer:
       (``time.perf_counter`` times; the pipeline records the broadcast stage).
     gather: gather on the learner mesh before copying (True when the meshes
       differ and the params are sharded).
+    cast: dtype name of the rollout's floating leaves ('' or None: the
+      learner's dtypes, an exact copy).
   """
 
   def __init__(self, rollout_shardings: Any, learner_mesh: jax.sharding.Mesh | None = None,
                on_ready: Callable[[int, float, float], None] | None = None,
-               gather: bool = False):
+               gather: bool = False, cast: str | None = None):
     self.rollout_shardings = rollout_shardings
     self.learner_mesh = learner_mesh
     self.gather = gather and learner_mesh is not None
     self.on_ready = on_ready
+    self._cast = None
+    if cast:
+      dtype = jnp.dtype(cast)
+      if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"ParamServer cast: {cast!r} is not a floating dtype")
+      self._cast = jax.jit(lambda tree: jax.tree.map(
+          lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree))
     self._cond = threading.Condition()
     self._current: tuple[Any, int] | None = None
     self._pending: tuple[Any, int, float] | None = None
@@ -60,6 +77,9 @@ class ParamServer:
   def _copy(self, params):
     if self.gather:
       params = sharding_lib.gather(params, self.learner_mesh)
+    if self._cast is not None:
+      # Fresh buffers the learner never donates: the transfer may reuse them.
+      return jax.device_put(self._cast(params), self.rollout_shardings)
     return jax.device_put(params, self.rollout_shardings, may_alias=False)
 
   def publish(self, params, version: int, wait: bool = False) -> None:
@@ -123,7 +143,10 @@ class ParamServer:
       return -1 if self._current is None else self._current[1]
 
   def close(self) -> None:
+    """Stops the broadcaster and releases the rollout's copies (device memory)."""
     with self._cond:
       self._closed = True
       self._cond.notify_all()
     self._thread.join()
+    with self._cond:
+      self._current = self._pending = None

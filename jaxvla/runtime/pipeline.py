@@ -150,7 +150,7 @@ class Pipeline:
     if self.levels.separate_params:
       self.server = params_lib.ParamServer(
           rollout_shardings, learner.mesh, on_ready=self._on_broadcast,
-          gather=_is_sharded(learner))
+          gather=_is_sharded(learner), cast=p.rollout_dtype or None)
       params_fn = self.server.latest
     else:
       params_fn = self._colocated_params
@@ -343,6 +343,7 @@ class Pipeline:
       self._thread = None
     if self.server is not None:
       self.server.close()
+    self._state_for_rollout = None  # Device memory: the caller holds the returned state.
 
   # ----------------------------------------------------------------- metrics --
   def in_flight(self) -> dict[str, int]:

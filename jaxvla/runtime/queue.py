@@ -222,6 +222,30 @@ class Pacer:
       self.started += count
       return self._version
 
+  def acquire(self, count: int, version: int, block: bool) -> tuple[int, int]:
+    """Grants up to ``count`` segment starts now; returns ``(granted, version)``.
+
+    First-ready rollouts use this instead of :meth:`start`: envs that may not
+    start yet wait (parked) while the others keep stepping, so the segments the
+    learner waits for are never held up behind a refused start. ``block``: wait
+    until at least one start is granted (only safe when nothing is in flight).
+
+    Raises:
+      Closed: the run is stopping.
+    """
+    t0 = time.perf_counter()
+    with self._cond:
+      self._version = max(self._version, version)
+      available = lambda: self.limit(self._version) - self.started
+      if block and count:
+        self._cond.wait_for(lambda: self._closed or available() > 0)
+      self.wait_s += time.perf_counter() - t0
+      if self._closed:
+        raise Closed("pacer closed")
+      granted = max(0, min(count, available()))
+      self.started += granted
+      return granted, self._version
+
   def close(self) -> None:
     with self._cond:
       self._closed = True

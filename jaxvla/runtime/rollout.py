@@ -18,6 +18,12 @@ observation after it (the GAE bootstrap) it becomes one column of a
 Parameters come from a ``params_fn() -> (params, version)`` (the
 :class:`ParamServer` or the learner's own state), read once per inference batch,
 so a chunk is always produced by one version.
+
+First-ready batches have any size from 1 to the number of envs; inference pads
+each to a bucket (:func:`bucket_size`: powers of two, and the env count) so the
+jitted ``act`` / ``value`` compile a handful of shapes, not one per size (a
+full-size model compiles for seconds). Padded rows repeat row 0 and are cut from
+the outputs.
 """
 
 from __future__ import annotations
@@ -36,6 +42,29 @@ from jaxvla.rollout import trajectory as trajectory_lib
 from jaxvla.runtime import queue as queue_lib
 
 _STEP_FIELDS = ("chain", "log_prob", "value", "version")
+
+
+def bucket_size(n: int, limit: int) -> int:
+  """The padded batch size of ``n`` rows: the next power of two, at most ``limit``.
+
+  Args:
+    n: rows in the batch, ``1 <= n <= limit``.
+    limit: the largest batch (the env count): always a bucket of its own.
+  """
+  if not 1 <= n <= limit:
+    raise ValueError(f"batch of {n} rows is outside [1, {limit}]")
+  return min(1 << (n - 1).bit_length(), limit)
+
+
+def pad_rows(tree: Any, size: int) -> Any:
+  """``tree``'s leaves ``[n, ...]`` padded to ``[size, ...]`` by repeating row 0."""
+  def pad(x):
+    x = np.asarray(x)
+    n = x.shape[0]
+    if n == size:
+      return x
+    return np.concatenate([x, np.repeat(x[:1], size - n, axis=0)])
+  return jax.tree.map(pad, tree)
 
 
 def _rows(tree, idx: np.ndarray):
@@ -151,20 +180,30 @@ class Rollout:
     self.env_steps = 0
     self._obs: protocol.Observation | None = None
     self._started_ready = False
+    self._in_flight = 0  # First-ready: envs with a chunk sent and not yet received.
+    self._parked_ids = np.zeros((0,), np.int64)  # ... ready, waiting for the pacer.
+    self._parked_obs: protocol.Observation | None = None
 
   def _busy(self, stage: str):
     if self.clock is None:
       return _Null()
     return self.clock.busy(stage)
 
-  def _act(self, env_ids: np.ndarray, obs: protocol.Observation) -> np.ndarray:
-    """Inference on ``env_ids``'s ``obs``; records the chunks; returns actions."""
-    starting = self.builder.starting(env_ids)
-    version = None
-    if self.pacer is not None and starting:
-      t0 = time.perf_counter()
-      version = self.pacer.start(starting, self.params_fn()[1])
-      self.timing["pace_wait_s"] += time.perf_counter() - t0
+  def _act(self, env_ids: np.ndarray, obs: protocol.Observation,
+           paced: int | None = None) -> np.ndarray:
+    """Inference on ``env_ids``'s ``obs``; records the chunks; returns actions.
+
+    ``paced``: the version the pacer already granted these envs' segment starts
+    (first-ready); None: acquire the starts here, blocking (lockstep, where every
+    env is at a segment boundary together).
+    """
+    version = paced
+    if paced is None and self.pacer is not None:
+      starting = self.builder.starting(env_ids)
+      if starting:
+        t0 = time.perf_counter()
+        version = self.pacer.start(starting, self.params_fn()[1])
+        self.timing["pace_wait_s"] += time.perf_counter() - t0
     params, got = self.params_fn()
     if version is not None and got < version:  # (params_fn is monotone; defensive)
       raise RuntimeError(f"rollout params version {got} is older than the paced {version}")
@@ -172,11 +211,32 @@ class Rollout:
     with self._busy("inference"):
       batch = self.policy.prepare(obs)
       key = jax.random.fold_in(self.rng, self.num_acts)
-      out = jax.device_get(self.act_fn(params, batch, key))
+      n = len(env_ids)
+      padded = pad_rows(batch, bucket_size(n, self.env.num_envs))
+      out = jax.tree.map(lambda x: x[:n], jax.device_get(self.act_fn(params, padded, key)))
     self.timing["inference_s"] += time.perf_counter() - t0
     self.num_acts += 1
     self.builder.on_act(env_ids, batch, out, got)
     return np.asarray(out.actions)
+
+  def _admit(self, env_ids: np.ndarray, block: bool) -> tuple[np.ndarray, int | None]:
+    """Rows of ``env_ids`` that may act now, and the version the pacer granted.
+
+    Envs continuing a segment always may; envs starting one need a grant.
+    ``block``: wait for at least one grant (only when nothing is in flight: every
+    open segment is then done and already handed on, so the learner can advance
+    the version); otherwise refused starts are parked and retried later.
+    """
+    if self.pacer is None:
+      return np.arange(len(env_ids)), None
+    starting = np.array([self.builder.starting([i]) == 1 for i in env_ids], bool)
+    continuing = np.flatnonzero(~starting)
+    t0 = time.perf_counter()
+    granted, version = self.pacer.acquire(int(starting.sum()), self.params_fn()[1],
+                                          block=block and continuing.size == 0)
+    self.timing["pace_wait_s"] += time.perf_counter() - t0
+    rows = np.sort(np.concatenate([continuing, np.flatnonzero(starting)[:granted]]))
+    return rows, version
 
   def _finish(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> None:
     self.episodes.add(result.episodes)
@@ -185,8 +245,9 @@ class Rollout:
     if full.size:
       params, _ = self.params_fn()
       with self._busy("inference"):
-        values = np.asarray(jax.device_get(
-            self.value_fn(params, self.policy.prepare(result.obs.take(full)))))
+        batch = self.policy.prepare(result.obs.take(full))
+        padded = pad_rows(batch, bucket_size(full.size, self.env.num_envs))
+        values = np.asarray(jax.device_get(self.value_fn(params, padded)))[:full.size]
       self.builder.complete(env_ids[full], values)
 
   # ---------------------------------------------------------------- lockstep --
@@ -209,23 +270,40 @@ class Rollout:
 
     The env workers step in parallel with this thread; the ``env`` stage is busy
     while any chunk is in flight (recorded from the pool's send/recv times).
+    Envs the pacer does not let start a segment yet are parked (not stepped) and
+    join a later batch; the rest of the batch goes on. With every env parked, the
+    call returns (so the caller hands on the segments just finished) and the next
+    one waits for the pacer.
     """
     if not self._started_ready:
-      obs = self.env.reset(self.seed)
-      ids = np.arange(self.env.num_envs)
-      self.env.send(self._act(ids, obs), ids)
+      self._parked_ids = np.arange(self.env.num_envs)
+      self._parked_obs = self.env.reset(self.seed)
       self._started_ready = True
       self._env_busy_since = time.perf_counter()
-    t0 = time.perf_counter()
-    ids, result = self.env.recv(b_max, t_max_s)
-    t1 = time.perf_counter()
-    self.timing["recv_wait_s"] += t1 - t0
-    self._finish(ids, result)
-    actions = self._act(ids, result.obs)
-    self.env.send(actions, ids)
-    if self.clock is not None:  # Env workers were stepping since the last send.
-      self.clock.add("env", self._env_busy_since, t1)
-      self._env_busy_since = time.perf_counter()
+    ids, obs = self._parked_ids, self._parked_obs
+    nothing_in_flight = not self._in_flight  # Only the pacer can unblock the parked envs.
+    if self._in_flight:
+      t0 = time.perf_counter()
+      got_ids, result = self.env.recv(b_max, t_max_s)
+      t1 = time.perf_counter()
+      self.timing["recv_wait_s"] += t1 - t0
+      self._in_flight -= len(got_ids)
+      self._finish(got_ids, result)
+      if self.clock is not None:  # Env workers were stepping since the last send.
+        self.clock.add("env", self._env_busy_since, t1)
+      if ids.size:
+        ids = np.concatenate([ids, got_ids])
+        obs = protocol.concat_observations([obs, result.obs])
+      else:
+        ids, obs = got_ids, result.obs
+    rows, version = self._admit(ids, block=nothing_in_flight)
+    wait = np.setdiff1d(np.arange(len(ids)), rows)
+    self._parked_ids, self._parked_obs = ids[wait], obs.take(wait)
+    if rows.size:
+      actions = self._act(ids[rows], obs.take(rows), paced=version)
+      self.env.send(actions, ids[rows])
+      self._in_flight += rows.size
+    self._env_busy_since = time.perf_counter()
 
   def in_flight(self) -> tuple[int, int]:
     return self.builder.in_flight()
