@@ -92,3 +92,75 @@ def test_resume_continues_run(tmp_path, smoke_config):
   assert len(_records(workdir, "warm_start")) == 1  # no second warm start
   steps = [r["env_steps"] for r in _records(workdir, "train")]
   assert steps == sorted(steps) and steps[-1] == second["env_steps"]
+
+
+_ASYNC_FLAGS = {  # A rollout thread that runs ahead of the learner (in-flight data at any save).
+    "pipeline.mode": "async", "pipeline.train_async": True, "pipeline.rollout_async": False,
+    "pipeline.max_staleness": 2, "pipeline.queue_items": 8, "checkpoint.every_iters": 1,
+    "eval.every_iters": 1000, "checkpoint.max_to_keep": 3,
+}
+
+
+def test_killed_async_run_resumes_with_version_optimizer_and_discard_count(tmp_path,
+                                                                           smoke_config):
+  """SIGKILL a running async training process, then resume from its last checkpoint."""
+  import signal  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path / "run")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, "-m", "jaxvla.main", "--config=configs/default.py:smoke",
+         f"--workdir={workdir}", "--config.total_env_steps=10000000",
+         *(f"--config.{k}={v}" for k, v in _ASYNC_FLAGS.items())]
+  proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  try:
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+      ckpt = checkpoint_lib.Checkpointer(ckpt_dir, 3) if os.path.isdir(ckpt_dir) else None
+      latest = ckpt.latest_step() if ckpt else None
+      if ckpt:
+        ckpt.close()
+      if latest is not None and latest >= 3:
+        break
+      time.sleep(0.5)
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    assert latest is not None and latest >= 3, "no RL checkpoint within 10 minutes"
+    os.kill(proc.pid, signal.SIGKILL)  # Possibly in the middle of the next save.
+    proc.wait(30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(30)
+
+  # What the run left: the newest complete checkpoint (orbax ignores a half-written one).
+  for k, v in _ASYNC_FLAGS.items():
+    section, key = k.split(".")
+    smoke_config[section][key] = v
+  env = builtin.make(smoke_config.env, 2, 0)
+  pol = policy_lib.make_policy(smoke_config.model, env.spec)
+  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  abstract = checkpoint_lib.abstract_like(
+      learner_lib.init_state(pol.init(jax.random.PRNGKey(9)), lrn.ppo_tx, jax.random.PRNGKey(9)))
+  ckpt = checkpoint_lib.Checkpointer(ckpt_dir, 3)
+  step = ckpt.latest_step()
+  saved, meta = ckpt.restore(step, abstract)
+  ckpt.close()
+  assert step >= 3 and int(saved.step) == meta["iteration"] == step
+  adam_counts = {int(x) for p, x in jax.tree_util.tree_leaves_with_path(saved.opt_state)
+                 if "count" in jax.tree_util.keystr(p)}
+  per_update = smoke_config.ppo.num_epochs * smoke_config.ppo.num_minibatches
+  assert adam_counts == {int(saved.step) * per_update}, adam_counts  # The run's optimizer.
+  assert meta["in_flight_segments"] > 0 and meta["in_flight_chunks"] > 0
+
+  smoke_config.resume = True
+  smoke_config.total_env_steps = meta["env_steps"] + 400
+  second = train.train_and_evaluate(smoke_config, workdir)
+  assert second["discarded_on_resume"] == dict(segments=meta["in_flight_segments"],
+                                               chunks=meta["in_flight_chunks"])
+  resumed_iters = second["iterations"] - meta["iteration"]
+  assert resumed_iters >= 1
+  assert second["policy_version"] == int(saved.step) + resumed_iters
+  assert len(_records(workdir, "warm_start")) == 1  # No second warm start.
