@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import json
 import os
 import platform
@@ -81,6 +82,8 @@ def mode_config(base: ml_collections.ConfigDict, name: str) -> ml_collections.Co
     c.pipeline.update(ABLATION[name])
     if _STALENESS_CONTROL.value:
       c.pipeline.staleness_control = _STALENESS_CONTROL.value
+    if name == "sync_colocated":  # Rolls out with the learner's own params: nothing to cast.
+      c.pipeline.rollout_dtype = ""
     if c.pipeline.streamer:
       c.ppo.num_epochs, c.ppo.advantage_norm, c.ppo.target_kl = 1, "none", 0.0
   config_checks.validate(c)
@@ -123,9 +126,11 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
 
   total = _WARMUP.value + _UPDATES.value
   try:
-    pipe.run(state, 0, 1 << 62, on_update_limit(on_update, total, pipe))
+    pipe.run(state, 0, 1 << 62, on_update_limit(on_update, total, pipe))  # Donates state.
   finally:
     env.close()
+    del state  # The next mode allocates its own train state (a full model's is ~36 GiB).
+    gc.collect()
   (t0, s0, r0, c0), (t1, s1, r1, _) = marks[_WARMUP.value - 1], marks[-1]
   window = pipe.clock.window(c0)
   stats = pipe.metrics()
@@ -139,7 +144,7 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
   if name == "+streamer" and _TIMELINE.value:
     from jaxvla.runtime import stages  # pylint: disable=import-outside-toplevel
     intervals = pipe.clock.intervals()
-    end = pipe.clock.elapsed()
+    end = max(e for ivs in intervals.values() for _, e in ivs)  # The run's last activity.
     stages.plot_timeline(intervals, _TIMELINE.value, t_range=(max(c0, end - 3.0), end),
                          title=f"{pipe.mode_name}: 3 s of the timed window")
   return row

@@ -248,7 +248,20 @@ def _row(base: dict, op: str, batch: int, k: int | None, times: list[float], com
               xla_gflop=None if xla is None else round(xla / 1e9, 4),
               achieved_tflops=round(achieved, 5),
               mfu=None if peak is None else round(achieved / peak, 5),
-              samples_per_s=round(batch / med, 2), repeats=len(times))
+              samples_per_s=round(batch / med, 2), repeats=len(times),
+              device_peak_gib=device_peak_gib())
+
+
+def device_peak_gib() -> float | None:
+  """The device allocator's peak bytes in use so far (GiB), or None where not reported.
+
+  ``jax.local_devices()[0].memory_stats()["peak_bytes_in_use"]`` on GPUs / TPUs: a
+  running maximum over the process, so a row's figure is the peak up to and including
+  that row (the learner rows come last and dominate).
+  """
+  stats = jax.local_devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return None if peak is None else round(peak / GIB, 3)
 
 
 def _compile(jitted, *args):
@@ -419,7 +432,7 @@ def print_header(device_kind: str) -> None:
         "cost_analysis (loop bodies once)")
   print(f"{'model':<{_model_width()}}{'variant':<8}{'dtype':<9}{'op':<14}{'batch':>6}{'K':>4}"
         f"{'H':>4}{'median ms':>11}{'min ms':>10}{'compile s':>10}{'GFLOP':>11}{'XLA GFLOP':>11}"
-        f"{'TFLOP/s':>9}{'MFU':>8}{'samples/s':>11}")
+        f"{'TFLOP/s':>9}{'MFU':>8}{'samples/s':>11}{'peak GiB':>10}")
 
 
 def print_row(r: dict) -> None:
@@ -429,7 +442,7 @@ def print_row(r: dict) -> None:
         f"{r['median_ms']:>11.2f}"
         f"{r['min_ms']:>10.2f}{r['compile_s']:>10.1f}{r['model_gflop']:>11.2f}"
         f"{fmt(r['xla_gflop'], '.2f'):>11}{r['achieved_tflops']:>9.3f}{fmt(r['mfu'], '.1%'):>8}"
-        f"{r['samples_per_s']:>11.1f}", flush=True)
+        f"{r['samples_per_s']:>11.1f}{fmt(r['device_peak_gib'], '.2f'):>10}", flush=True)
 
 
 def print_memory_row(r: dict) -> None:
