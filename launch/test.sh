@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite, in two steps that must both pass:
-#   (a) pytest -m "not sim"            on tests/      the fast suite (CPU, tiny models)
-#   (b) pytest -m sim                  on tests/sim/  real simulators (ManiSkill3, LIBERO)
+# The whole test suite, in three steps that must all pass:
+#   (a) pytest -m "not sim and not learning"  on tests/      the fast suite (CPU, tiny models)
+#   (b) pytest -m learning                    on tests/      RL learning runs (minutes each)
+#   (c) pytest -m sim                         on tests/sim/  real simulators (ManiSkill3, LIBERO)
 #
-#   bash launch/test.sh [--only=fast|sim] [pytest arguments ...]
+#   bash launch/test.sh [--only=fast|learning|sim] [pytest arguments ...]
 #
 # Extra arguments go to both pytest runs, from the repository root: options (-x, -v,
 # -k EXPR, --durations=0) and, if given, test paths, which then replace the step's default
@@ -20,8 +21,9 @@ only=all
 pytest_args=()
 for arg in "$@"; do
   case "$arg" in
-    --only=fast | --only=sim) only="${arg#--only=}" ;;
-    --only=*) echo "test.sh: --only takes fast or sim, not '${arg#--only=}'" >&2; exit 2 ;;
+    --only=fast | --only=learning | --only=sim) only="${arg#--only=}" ;;
+    --only=*) echo "test.sh: --only takes fast, learning or sim, not '${arg#--only=}'" >&2
+      exit 2 ;;
     *) pytest_args+=("$arg") ;;
   esac
 done
@@ -48,10 +50,13 @@ run_step() {
   fi
 }
 
-if [[ $only != sim ]]; then
-  run_step fast -m "not sim" "${pytest_args[@]}"  # testpaths = tests (pytest.ini)
+if [[ $only == all || $only == fast ]]; then
+  run_step fast -m "not sim and not learning" "${pytest_args[@]}"  # testpaths = tests
 fi
-if [[ $only != fast ]]; then
+if [[ $only == all || $only == learning ]]; then
+  run_step learning -m learning "${pytest_args[@]}"
+fi
+if [[ $only == all || $only == sim ]]; then
   run_step sim -m sim -o testpaths=tests/sim "${pytest_args[@]}"
 fi
 

@@ -1,6 +1,6 @@
 """Smoke tests of the real simulators on CPU: build, reset, step once, render.
 
-Run by the second step of launch/test.sh (`pytest -m sim tests/sim`), which first exports
+Run by the third step of launch/test.sh (`pytest -m sim tests/sim`), which first exports
 launch/env.sh (lavapipe ICD for SAPIEN, MUJOCO_GL for LIBERO, LIBERO_CONFIG_PATH).
 A missing simulator is a failure with the reason, never a skip: this step exists to
 prove that the set-up produced working simulators.
