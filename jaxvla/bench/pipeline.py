@@ -12,9 +12,15 @@ in each mode, the paper's ablation, for ``--updates`` learner updates after
 ``+streamer``          L1 + L2 + L3: streamed micro-batch learner
 =====================  ==============================================
 
-Throughput is env steps *trained on* per second of the timed window (what the
-learner consumed; steps dropped as too stale are reported beside it, and the
-rollout's own rate including them as ``rollout_env_steps_per_s``). Each stage's standalone rate is measured alone, in the same units:
+Throughput is env steps per second of the timed window, the smaller of two
+rates: what the learner trained on, and what the rollout produced that was not
+dropped as too stale. In steady state they are equal; over a short window an
+async learner can drain a backlog queued during the warm-up (trained > produced),
+or the rollout can fill the queue ahead of the learner (produced > trained), and
+the minimum counts neither. Both rates are in the row (``trained_env_steps_per_s``,
+``usable_rollout_env_steps_per_s``), beside the rollout's raw rate including
+dropped steps (``rollout_env_steps_per_s``). Each stage's standalone rate is
+measured alone, in the same units:
 
 * env: the env pool with a zero-cost policy (random chunks), first-ready
   batching as the async mode uses it;
@@ -122,7 +128,7 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
   def on_update(info):
     trained[0] += info.env_steps
     marks.append((time.perf_counter(), trained[0], pipe.rollout.env_steps,
-                  pipe.clock.elapsed()))
+                  pipe.clock.elapsed(), pipe.queue.stats.dropped_env_steps))
 
   total = _WARMUP.value + _UPDATES.value
   try:
@@ -131,10 +137,13 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
     env.close()
     del state  # The next mode allocates its own train state (a full model's is ~36 GiB).
     gc.collect()
-  (t0, s0, r0, c0), (t1, s1, r1, _) = marks[_WARMUP.value - 1], marks[-1]
+  (t0, s0, r0, c0, d0), (t1, s1, r1, _, d1) = marks[_WARMUP.value - 1], marks[-1]
   window = pipe.clock.window(c0)
   stats = pipe.metrics()
-  row = dict(mode=name, pipeline=pipe.mode_name, env_steps_per_s=(s1 - s0) / (t1 - t0),
+  trained_rate = (s1 - s0) / (t1 - t0)
+  usable_rate = (r1 - r0 - (d1 - d0)) / (t1 - t0)
+  row = dict(mode=name, pipeline=pipe.mode_name, env_steps_per_s=min(trained_rate, usable_rate),
+             trained_env_steps_per_s=trained_rate, usable_rollout_env_steps_per_s=usable_rate,
              rollout_env_steps_per_s=(r1 - r0) / (t1 - t0),
              updates=_UPDATES.value, seconds=t1 - t0,
              staleness_control=c.pipeline.staleness_control,
@@ -227,8 +236,8 @@ def main(argv):
   for k, v in rates.items():
     print(f"{k:<24}{v:>12.1f}{'  <- slowest' if k == slowest else ''}", flush=True)
   rows = []
-  print(f"{'mode':<20}{'pipeline':<18}{'env steps/s':>12}{'vs sync':>9}{'efficiency':>11}"
-        f"{'env':>6}{'infer':>7}{'learn':>7}{'stale':>7}{'dropped':>9}")
+  print(f"{'mode':<20}{'pipeline':<18}{'env steps/s':>12}{'trained':>9}{'usable':>8}"
+        f"{'vs sync':>9}{'efficiency':>11}{'env':>6}{'infer':>7}{'learn':>7}{'stale':>7}{'dropped':>9}")
   for name in _MODES.value:
     row = run_mode(base, name, parts)
     base_sps = rows[0]["env_steps_per_s"] if rows else row["env_steps_per_s"]
@@ -236,6 +245,7 @@ def main(argv):
     row["efficiency"] = row["env_steps_per_s"] / rates[slowest]
     rows.append(row)
     print(f"{name:<20}{row['pipeline']:<18}{row['env_steps_per_s']:>12.1f}"
+          f"{row['trained_env_steps_per_s']:>9.1f}{row['usable_rollout_env_steps_per_s']:>8.1f}"
           f"{row['speedup_vs_sync_colocated']:>9.2f}{row['efficiency']:>11.2f}"
           f"{row['env_busy']:>6.2f}{row['inference_busy']:>7.2f}{row['learner_busy']:>7.2f}"
           f"{row['staleness_mean']:>7.2f}{row['dropped_env_steps']:>9d}", flush=True)
