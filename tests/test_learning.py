@@ -14,8 +14,8 @@ from jaxvla import train
 pytestmark = pytest.mark.learning  # Minutes each: the second step of launch/test.sh.
 
 
-def test_ppo_improves_over_warm_start(tmp_path, smoke_config):
-  c = smoke_config
+def _reach_config(c):
+  """One target, one colour, 45k env steps of PPO after a 700-step BC warm start."""
   c.env.num_targets = 1
   c.env.num_colours = 1
   c.num_envs = 32
@@ -26,9 +26,14 @@ def test_ppo_improves_over_warm_start(tmp_path, smoke_config):
   c.bc.batch_size = 64
   c.ppo.num_minibatches = 2
   c.ppo.num_epochs = 2
-  c.eval.num_episodes = 128
-  c.eval.every_iters = 1000  # only at the end
+  c.eval.every_iters = 1000  # only at the start and the end
   c.checkpoint.every_iters = 1000
+  return c
+
+
+def test_ppo_improves_over_warm_start(tmp_path, smoke_config):
+  c = _reach_config(smoke_config)
+  c.eval.num_episodes = 128
   summary = train.train_and_evaluate(c, str(tmp_path / "run"))
   print(summary)
   assert summary["success_rate"] >= summary["warm_start_success_rate"] + 0.2
@@ -36,24 +41,13 @@ def test_ppo_improves_over_warm_start(tmp_path, smoke_config):
 
 
 def _parity_config(c, seed: int):
+  c = _reach_config(c)
   c.seed = seed
-  c.env.num_targets = 1
-  c.env.num_colours = 1
-  c.num_envs = 32
-  c.rollout_len = 4
-  c.total_env_steps = 45_000
-  c.bc.num_episodes = 1000
-  c.bc.num_steps = 700
-  c.bc.batch_size = 64
-  c.ppo.num_minibatches = 2
-  c.ppo.num_epochs = 2
   # Half the default RL step: how much staleness costs grows with how far the policy
   # moves per version. At 1e-4, staleness 4 lost 0.04, 0.07 and 0.34 success to sync
   # over three seeds (docs/pipeline.md, "Learning parity"); at 5e-5 sync still converges.
   c.ppo.learning_rate = 5e-5
   c.eval.num_episodes = 256
-  c.eval.every_iters = 1000  # only at the start and the end
-  c.checkpoint.every_iters = 1000
   return c
 
 

@@ -118,9 +118,13 @@ class EpisodeBuilder:
     self._waiting: dict[tuple[int, int], dict[int, dict]] = {}
     self._ready: list[list[dict]] = []  # Complete groups (env order), not yet popped.
 
+  def starts(self, env_ids: np.ndarray) -> np.ndarray:
+    """``[b]`` bool: which of ``env_ids`` start a new episode with their next chunk."""
+    return np.array([not self._open[i] for i in env_ids], bool)
+
   def starting(self, env_ids: np.ndarray) -> int:
     """How many of ``env_ids`` start a new episode with their next chunk."""
-    return int(sum(1 for i in env_ids if not self._open[i]))
+    return int(self.starts(env_ids).sum())
 
   def on_act(self, env_ids: np.ndarray, batch: dict, out: policy_lib.ActOutput,
              version: int) -> None:

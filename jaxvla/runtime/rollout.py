@@ -85,9 +85,13 @@ class SegmentBuilder:
     self._open: list[list[dict]] = [[] for _ in range(num_envs)]  # Chunks of each env.
     self._done_segments: list[dict] = []
 
+  def starts(self, env_ids: np.ndarray) -> np.ndarray:
+    """``[b]`` bool: which of ``env_ids`` start a new segment with their next chunk."""
+    return np.array([not self._open[i] for i in env_ids], bool)
+
   def starting(self, env_ids: np.ndarray) -> int:
     """How many of ``env_ids`` start a new segment with their next chunk."""
-    return int(sum(1 for i in env_ids if not self._open[i]))
+    return int(self.starts(env_ids).sum())
 
   def on_act(self, env_ids: np.ndarray, batch: dict, out: policy_lib.ActOutput,
              version: int) -> None:
@@ -229,7 +233,7 @@ class Rollout:
     """
     if self.pacer is None:
       return np.arange(len(env_ids)), None
-    starting = np.array([self.builder.starting([i]) == 1 for i in env_ids], bool)
+    starting = self.builder.starts(env_ids)
     continuing = np.flatnonzero(~starting)
     t0 = time.perf_counter()
     granted, version = self.pacer.acquire(int(starting.sum()), self.params_fn()[1],
