@@ -139,6 +139,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.every_iters = 10  # Save the train state every N RL iterations (and at the end).
   c.checkpoint.max_to_keep = 2  # Checkpoints kept on disk.
 
+  # Multi-host (jax.distributed): one process per host, same config and (shared) workdir.
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = ""  # 'host:port' of process 0 ('': one process).
+  c.distributed.num_processes = 1  # Processes in the job (with coordinator_address).
+  c.distributed.process_id = 0  # This process's rank in [0, num_processes).
+  c.distributed.cluster_auto = False  # Let JAX detect the cluster (TPU pod, SLURM, Open MPI).
+  c.distributed.local_device_ids = ""  # This process's devices, e.g. '0,1' ('': all visible).
+  c.distributed.initialization_timeout_s = 300  # Seconds to wait for every process to join.
+  c.distributed.heartbeat_timeout_s = 100  # A silent process fails the job after this.
+
   if variant == "smoke":
     c.total_env_steps = 2_000
     c.num_envs = 8

@@ -42,25 +42,40 @@ class Checkpointer:
     self.manager.close()
 
 
-def export_policy(directory: str, params, config_json: str) -> str:
-  """Writes the policy parameters alone (for inference) and the run config."""
+def export_policy(directory: str, params, config_json: str, write_config: bool = True) -> str:
+  """Writes the policy parameters alone (for inference) and the run config.
+
+  Multi-process: every process calls it (orbax writes each array once);
+  ``write_config`` on one process only.
+  """
   directory = os.path.abspath(directory)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(os.path.join(directory, "params"), params, force=True)
-  with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-    f.write(config_json)
+  if write_config:
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+      f.write(config_json)
   return directory
 
 
 def load_policy_params(directory: str, abstract_params=None):
   """Loads exported parameters; with ``abstract_params`` they take its shapes/shardings.
 
+  Without ``abstract_params`` every array lands whole on the first local device,
+  whatever mesh or number of processes wrote the export (an export from a
+  multi-host run loads on a laptop).
+
   Returns:
     ``(params, config_dict)``.
   """
   directory = os.path.abspath(directory)
+  path = os.path.join(directory, "params")
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(os.path.join(directory, "params"), abstract_params)
+    if abstract_params is None:
+      device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      abstract_params = jax.tree.map(
+          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+          ckptr.metadata(path).item_metadata.tree)
+    params = ckptr.restore(path, abstract_params)
   with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
     config = json.load(f)
   return params, config

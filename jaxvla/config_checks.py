@@ -2,7 +2,7 @@
 
 import ml_collections
 
-from jaxvla import sharding
+from jaxvla import distributed, sharding
 from jaxvla.models import denoise
 
 
@@ -52,6 +52,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
            f"must be >= 1 and divide num_envs={c.num_envs}, got {group!r}")
   _validate_mesh(c)
   _validate_pipeline(c)
+  distributed.validate(c.distributed)
 
 
 def _validate_mesh(c: ml_collections.ConfigDict) -> None:
@@ -68,20 +69,31 @@ def _validate_mesh(c: ml_collections.ConfigDict) -> None:
   sharding.parse_rules(c.mesh.rules)  # Raises naming config.mesh.rules[i].
 
 
-def validate_batch_shards(c: ml_collections.ConfigDict, batch_shards: int) -> None:
+def validate_batch_shards(c: ml_collections.ConfigDict, batch_shards: int,
+                          num_processes: int = 1) -> None:
   """Batch sizes the learner mesh splits ``batch_shards`` ways must divide evenly.
 
   Called once the mesh exists (its size depends on the devices, not the config alone).
+  With ``num_processes > 1`` each process owns ``batch_shards / num_processes`` of
+  the shards and feeds them from its own ``num_envs`` envs; ``bc.batch_size`` is
+  the global batch, split evenly over the processes.
   """
   where = f"the {batch_shards} batch shards of config.mesh (data x fsdp)"
-  _require(c.num_envs % batch_shards == 0, "num_envs",
+  _require(batch_shards % num_processes == 0, "mesh",
+           f"{where} cannot be shared evenly by {num_processes} processes")
+  local = batch_shards // num_processes
+  if num_processes > 1:
+    where = (f"the {local} batch shards of each of the {num_processes} processes "
+             f"(config.mesh: data x fsdp = {batch_shards})")
+  _require(c.num_envs % local == 0, "num_envs",
            f"{c.num_envs} is not divisible by {where}")
   mb = c.num_envs * c.rollout_len // c.ppo.num_minibatches
-  _require(mb % batch_shards == 0, "ppo.num_minibatches",
+  _require(mb % local == 0, "ppo.num_minibatches",
            f"minibatches of num_envs * rollout_len / num_minibatches = {mb} chunks are not "
            f"divisible by {where}")
   _require(c.bc.num_steps == 0 or c.bc.batch_size % batch_shards == 0, "bc.batch_size",
-           f"{c.bc.batch_size} is not divisible by {where}")
+           f"{c.bc.batch_size} is not divisible by the {batch_shards} batch shards of "
+           "config.mesh (data x fsdp)")
 
 
 def _validate_pipeline(c: ml_collections.ConfigDict) -> None:

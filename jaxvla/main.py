@@ -12,7 +12,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from jaxvla import train
+from jaxvla import distributed, train
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Config file (optionally ':variant').", lock_config=True)
@@ -26,6 +26,8 @@ def main(argv):
   # Library INFO chatter (orbax, jax) off; jaxvla's own INFO lines stay.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("jaxvla").setLevel(logging.INFO)
+  # Multi-host: join the job before anything touches a JAX backend.
+  distributed.initialize(_CONFIG.value.distributed)
   summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   sys.stdout.write(json.dumps(summary) + "\n")
   sys.stdout.flush()

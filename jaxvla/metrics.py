@@ -15,15 +15,21 @@ class MetricWriter:
 
   Args:
     workdir: the run directory; events go to ``workdir/tb``.
+    enabled: False: write nothing (the non-primary processes of a multi-host run).
   """
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.enabled = enabled
+    if not enabled:
+      return
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
     self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, env_steps: int, phase: str, metrics: dict[str, float]) -> None:
     """Records ``metrics`` under ``phase/`` at x-axis ``env_steps``."""
+    if not self.enabled:
+      return
     record = dict(phase=phase, env_steps=int(env_steps), time=time.time(),
                   **{k: float(v) for k, v in metrics.items()})
     self._jsonl.write(json.dumps(record) + "\n")
@@ -32,6 +38,8 @@ class MetricWriter:
       self._tb.add_scalar(f"{phase}/{k}", float(v), int(env_steps))
 
   def close(self) -> None:
+    if not self.enabled:
+      return
     self._jsonl.close()
     self._tb.close()
 

@@ -11,6 +11,8 @@ translation, for any policy with ``logical_axes()``:
 * :func:`mirror_shardings`: shardings of a tree holding parameter-like subtrees
   (train state, optimizer moments) -> the params' shardings there, replicated elsewhere.
 * :func:`batch_sharding`, :func:`replicated`, :func:`with_logical_constraint`.
+* :func:`split_devices`, :func:`role_devices`: learner and rollout devices from
+  ``config.mesh.rollout_devices`` (one host; every process of a multi-host run).
 
 Resolution of one array's logical axes (``logical_to_spec``), dimension by dimension:
 
@@ -33,6 +35,7 @@ does not need it for correctness: XLA propagates the batch sharding of the input
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Mapping, Sequence
@@ -296,7 +299,13 @@ def gather(tree: Any, mesh: jax.sharding.Mesh) -> Any:
   Copying a sharded tree straight to other devices or a single device can block
   the host; gather here first, then ``jax.device_put`` the replicated arrays.
   """
-  return jax.jit(lambda t: t, out_shardings=replicated(mesh))(tree)
+  return _gather_fn(mesh)(tree)
+
+
+@functools.lru_cache(maxsize=8)
+def _gather_fn(mesh: jax.sharding.Mesh):
+  # One jitted identity per mesh (a fresh lambda per call would retrace every time).
+  return jax.jit(lambda t: t, out_shardings=replicated(mesh))
 
 
 def with_logical_constraint(x: jax.Array, axes: LogicalAxes, rules: Rules | Mapping,
@@ -362,6 +371,28 @@ def split_devices(rollout_devices: str, devices: Sequence[jax.Device]
   if not learner:
     raise ValueError(f"{key}: leaves no device to the learner")
   return learner, rollout
+
+
+def role_devices(rollout_devices: str) -> tuple[list[jax.Device], list[jax.Device]]:
+  """``(learner devices of every process, this process's rollout devices)``.
+
+  Every process splits its own local devices by ``config.mesh.rollout_devices``
+  (:func:`split_devices`); the learner is one SPMD program over the union of the
+  learner parts, in process order, and each process rolls out on its own part.
+  With one process this is ``split_devices`` of the local devices.
+  """
+  local_learner, local_rollout = split_devices(rollout_devices, jax.local_devices())
+  if jax.process_count() == 1:
+    return local_learner, local_rollout
+  if "," in rollout_devices:
+    raise ValueError(f"config.mesh.rollout_devices={rollout_devices!r}: device ids differ "
+                     "from host to host in a multi-process run; give a count or a fraction "
+                     "so that every process splits its devices alike")
+  learner = []
+  for p in range(jax.process_count()):
+    devices = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+    learner += split_devices(rollout_devices, devices)[0]
+  return learner, local_rollout
 
 
 def rollout_sharding(devices: Sequence[jax.Device]) -> NamedSharding:

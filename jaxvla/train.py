@@ -5,6 +5,16 @@ parses flags. Env steps counted in ``env_steps`` are RL rollout steps (the run's
 budget, ``config.total_env_steps``); demonstration and evaluation steps are
 reported separately. The learner runs on a ``('data', 'fsdp', 'tensor')`` mesh
 of this host's devices (``config.mesh``; one device on a plain CPU run).
+
+Multi-host (``config.distributed``, started by ``jaxvla.main``): every process
+runs this same function with the same config and workdir (a shared file system).
+Each process owns ``config.num_envs`` envs and its rollout devices, collects
+``1 / P`` of the demonstrations and feeds ``1 / P`` of every learner batch; the
+learner mesh spans every process's learner devices. ``env_steps`` and the budget
+count every process's steps. Process 0 alone evaluates (on its replica of the
+params; the result is broadcast), writes ``metrics.jsonl``, TensorBoard and
+``config.json``, and shows the progress bar; checkpoints and the export are
+written by orbax from every process.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import ml_collections
 import numpy as np
 
 from jaxvla import checkpoint as checkpoint_lib
-from jaxvla import config_checks, metrics as metrics_lib, sharding as sharding_lib
+from jaxvla import config_checks, distributed, metrics as metrics_lib, sharding as sharding_lib
 from jaxvla.data import demos
 from jaxvla.envs import make_env, make_vec_env
 from jaxvla.learner import learner as learner_lib
@@ -56,7 +66,7 @@ class Setup:
   act_train: object
   act_eval: object
   value_fn: object
-  eval_env: object
+  eval_env: object  # None on every process but the primary one.
   writer: metrics_lib.MetricWriter
   checkpointer: checkpoint_lib.Checkpointer
   rollout_sharding: object = None
@@ -66,13 +76,15 @@ def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
   policy = policy_lib.make_policy(config.model, spec)
   # The learner mesh: this host's learner devices (config.mesh.{data,fsdp,tensor}); the
   # rollout acts on config.mesh.rollout_devices (by default the same devices).
-  learner_devices, rollout_devices = sharding_lib.split_devices(config.mesh.rollout_devices,
-                                                                jax.local_devices())
+  # (Multi-process: the learner devices of every process, this process's rollout devices.)
+  learner_devices, rollout_devices = sharding_lib.role_devices(config.mesh.rollout_devices)
   mesh = sharding_lib.make_mesh(config.mesh, learner_devices)
   config_checks.validate_batch_shards(config, sharding_lib.num_batch_shards(mesh,
-                                                                            config.mesh.rules))
-  log.info("learner mesh %s on %d devices; rollout on %d devices", dict(mesh.shape),
-           len(learner_devices), len(rollout_devices))
+                                                                            config.mesh.rules),
+                                      num_processes=jax.process_count())
+  log.info("learner mesh %s on %d devices (%d processes); rollout on %d devices of process %d",
+           dict(mesh.shape), len(learner_devices), jax.process_count(), len(rollout_devices),
+           jax.process_index())
   return Setup(
       rollout_sharding=sharding_lib.rollout_sharding(rollout_devices),
       policy=policy,
@@ -82,8 +94,9 @@ def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
       act_eval=jax.jit(functools.partial(policy.act, mode="eval")),
       value_fn=jax.jit(policy.value),
       # Evaluation and demonstrations play independent episodes (no GRPO groups).
-      eval_env=make_env(config.env, config.eval.num_episodes, config.seed + 1, group_size=1),
-      writer=metrics_lib.MetricWriter(workdir),
+      eval_env=(make_env(config.env, config.eval.num_episodes, config.seed + 1, group_size=1)
+                if distributed.is_primary() else None),
+      writer=metrics_lib.MetricWriter(workdir, enabled=distributed.is_primary()),
       checkpointer=checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                                config.checkpoint.max_to_keep))
 
@@ -95,34 +108,55 @@ def _eval_policy_name(config) -> str:
 
 
 def _evaluate(config, s: Setup, params, rng) -> dict[str, float]:
-  # The same episodes every time (fixed seed) so evaluations compare paired.
-  return collector_lib.evaluate(s.eval_env, s.policy, s.act_eval, params, rng,
-                                seed=config.seed + 12345, chunk_len=config.model.chunk_len)
+  """Evaluation on fixed-seed episodes; every process calls it, process 0 plays them."""
+  if distributed.multi_process():  # (collectives: the gather and the broadcast)
+    params = distributed.local_replica(sharding_lib.gather(params, s.learner.mesh))
+  if s.eval_env is None:
+    result = dict.fromkeys(collector_lib.EVAL_KEYS, 0.0)
+  else:  # The same episodes every time (fixed seed) so evaluations compare paired.
+    result = collector_lib.evaluate(s.eval_env, s.policy, s.act_eval, params, rng,
+                                    seed=config.seed + 12345, chunk_len=config.model.chunk_len)
+  return distributed.broadcast_from_primary(result)
+
+
+# Per-process offset of env seeds (process 0 keeps the single-process seeds).
+_HOST_SEED_STRIDE = 1_000_003
+
+
+def _host_seed(seed: int) -> int:
+  return seed + _HOST_SEED_STRIDE * jax.process_index()
 
 
 def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
   """Behaviour cloning on scripted-expert demonstrations; returns params and figures."""
   if config.bc.num_steps == 0:
     return params, {}
-  demo_env = make_env(config.env, config.num_envs, config.seed + 2, group_size=1)
-  data = demos.collect_expert_demos(demo_env, s.policy, num_episodes=config.bc.num_episodes,
+  # Multi-process: each process collects its share of the demonstrations (other
+  # seeds) and feeds its share of every batch.
+  hosts = jax.process_count()
+  demo_env = make_env(config.env, config.num_envs, _host_seed(config.seed + 2), group_size=1)
+  data = demos.collect_expert_demos(demo_env, s.policy,
+                                    num_episodes=-(-config.bc.num_episodes // hosts),
                                     noise=config.bc.demo_noise, speed=config.bc.expert_speed,
-                                    seed=config.seed + 2)
+                                    seed=_host_seed(config.seed + 2))
   demo_env.close()
   state = s.learner.shard_state(learner_lib.init_state(params, s.learner.bc_tx, rng))
   n = data["actions"].shape[0]
-  sampler = np.random.default_rng(config.seed + 3)
+  sampler = np.random.default_rng(_host_seed(config.seed + 3))
   losses = []
   for _ in range(config.bc.num_steps):
-    idx = sampler.integers(0, n, config.bc.batch_size)
+    idx = sampler.integers(0, n, config.bc.batch_size // hosts)
     batch = {k: v[idx] for k, v in data["batch"].items()}
     state, loss = s.learner.bc_step(state, batch, data["actions"][idx])
     losses.append(loss)
-  losses = np.asarray(jax.device_get(losses))
+  losses = np.asarray([float(x) for x in losses])  # (replicated scalars: host values)
+  # Demonstration counts summed over processes; the success rate is process 0's.
+  chunks, episodes, steps = distributed.sum_over_hosts(
+      np.asarray([n, data["episodes"], data["env_steps"]], np.int64))
   return state.params, dict(bc_loss_first=float(losses[0]), bc_loss_last=float(losses[-5:].mean()),
-                            demo_chunks=float(n), demo_episodes=float(data["episodes"]),
+                            demo_chunks=float(chunks), demo_episodes=float(episodes),
                             demo_success_rate=data["success_rate"],
-                            demo_env_steps=float(data["env_steps"]))
+                            demo_env_steps=float(steps))
 
 
 def _initial_state(config, s: Setup, rng) -> tuple[learner_lib.TrainState, RunState]:
@@ -165,8 +199,9 @@ def _initial_state(config, s: Setup, rng) -> tuple[learner_lib.TrainState, RunSt
 
 def _save(s: Setup, run: RunState, state, pipe: pipeline_lib.Pipeline) -> None:
   flight = pipe.in_flight()
-  run.in_flight_segments, run.in_flight_chunks = (flight["in_flight_segments"],
-                                                  flight["in_flight_chunks"])
+  # Every process's in-flight data (a collective: every process saves at the same update).
+  run.in_flight_segments, run.in_flight_chunks = (int(v) for v in distributed.sum_over_hosts(
+      np.asarray([flight["in_flight_segments"], flight["in_flight_chunks"]], np.int64)))
   if s.checkpointer.latest_step() != run.iteration:
     s.checkpointer.save(run.iteration, state, dataclasses.asdict(run))
 
@@ -195,21 +230,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs the job described by ``config`` in ``workdir``; returns the final summary."""
   config_checks.validate(config)
   t_start = time.perf_counter()
+  if distributed.multi_process():  # Mismatched processes would deadlock later, silently.
+    distributed.check_same_on_hosts(os.path.abspath(workdir), "--workdir")
+    shared = config.copy_and_resolve_references()
+    with shared.unlocked():
+      shared.distributed.process_id = 0  # (the two fields processes may differ in)
+      shared.distributed.local_device_ids = ""
+    distributed.check_same_on_hosts(shared.to_json_best_effort(sort_keys=True), "the config")
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  if distributed.is_primary():
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+      f.write(config.to_json_best_effort(indent=2))
   rng = jax.random.PRNGKey(config.seed)
-  env = make_vec_env(config.env, config.num_envs, config.seed,
+  env = make_vec_env(config.env, config.num_envs, _host_seed(config.seed),
                      num_workers=config.env_workers, step_timeout_s=config.env_step_timeout_s)
   s = _build(config, workdir, env.spec)
   setup_key, rollout_key, eval_key = jax.random.split(rng, 3)
   state, run = _initial_state(config, s, setup_key)
+  if jax.process_count() > 1:  # Each process samples its own actions.
+    rollout_key = jax.random.fold_in(rollout_key, jax.process_index())
   pipe = pipeline_lib.Pipeline(config, s.policy, s.learner, env, s.act_train, s.value_fn,
                                s.rollout_sharding, jax.random.fold_in(rollout_key, run.iteration),
-                               seed=config.seed + run.iteration)
+                               seed=_host_seed(config.seed + run.iteration))
   resumed_at = run.env_steps
   discarded = dict(segments=run.in_flight_segments, chunks=run.in_flight_chunks)
-  progress = metrics_lib.Progress(config.total_env_steps, run.env_steps, config.log.progress)
+  progress = metrics_lib.Progress(config.total_env_steps, run.env_steps,
+                                  config.log.progress and distributed.is_primary())
   last_eval = run.warm_start_eval
   rl_start, rl_start_steps = time.perf_counter(), run.env_steps
   last = dict(state=state, t=time.perf_counter(), clock=0.0)
@@ -221,7 +267,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     learner_s, last["t"] = now - last["t"], now
     run.iteration += 1
     run.env_steps += info.env_steps + info.dropped_env_steps
-    sps = pipe.rollout.env_steps / (now - rl_start)
+    sps = pipe.total_rollout_env_steps() / (now - rl_start)
     episodes = pipe.rollout.episodes.summary()
     window = pipe.metrics(since=last["clock"])
     last["clock"] = pipe.clock.elapsed()
@@ -250,13 +296,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     "--config.resume=True to continue", run.iteration, int(state.step))
       s.checkpointer.close()
       env.close()
-      s.eval_env.close()
+      if s.eval_env is not None:
+        s.eval_env.close()
   pipeline_metrics = pipe.metrics()
   s.writer.write(run.env_steps, "pipeline", pipeline_metrics)
-  if config.pipeline.timeline:
+  if config.pipeline.timeline and distributed.is_primary():
     pipe.clock.to_json(os.path.join(workdir, "timeline.json"))
   export_dir = checkpoint_lib.export_policy(os.path.join(workdir, "export"), state.params,
-                                            config.to_json_best_effort())
+                                            config.to_json_best_effort(),
+                                            write_config=distributed.is_primary())
   wall_s = time.perf_counter() - t_start
   summary = dict(
       env_steps=run.env_steps, wall_s=round(wall_s, 2),
@@ -269,8 +317,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       warm_start_success_rate=run.warm_start_success_rate,
       train_success_rate_recent=pipe.rollout.episodes.summary().get("success_rate"),
       iterations=run.iteration, policy_version=int(state.step), export_dir=export_dir,
-      pipeline=pipe.mode_name, rollout_env_steps=pipe.rollout.env_steps,
-      dropped_env_steps=pipe.queue.stats.dropped_env_steps,
+      pipeline=pipe.mode_name, rollout_env_steps=pipe.total_rollout_env_steps(),
+      dropped_env_steps=pipe.total_dropped_env_steps(), num_processes=jax.process_count(),
       staleness_mean=pipeline_metrics.get("staleness_mean", 0.0),
       discarded_on_resume=discarded if resumed_at else None,
       interrupted=pipe.interrupted)

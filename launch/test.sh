@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The whole test suite, in three steps that must all pass:
-#   (a) pytest -m "not sim and not learning"  on tests/      the fast suite (CPU, tiny models)
-#   (b) pytest -m learning                    on tests/      RL learning runs (minutes each)
-#   (c) pytest -m sim                         on tests/sim/  real simulators (ManiSkill3, LIBERO)
+# The whole test suite, in four steps that must all pass:
+#   (a) pytest -m "not sim and not learning and not multihost"
+#                                             on tests/      the fast suite (CPU, tiny models)
+#   (b) pytest -m multihost                   on tests/      2 processes via jax.distributed
+#   (c) pytest -m learning                    on tests/      RL learning runs (minutes each)
+#   (d) pytest -m sim                         on tests/sim/  real simulators (ManiSkill3, LIBERO)
 #
-#   bash launch/test.sh [--only=fast|learning|sim] [pytest arguments ...]
+#   bash launch/test.sh [--only=fast|multihost|learning|sim] [pytest arguments ...]
 #
-# Extra arguments go to both pytest runs, from the repository root: options (-x, -v,
+# Extra arguments go to every pytest run, from the repository root: options (-x, -v,
 # -k EXPR, --durations=0) and, if given, test paths, which then replace the step's default
 # path (pytest only falls back to `testpaths` when no path is given). So to run just the
-# simulator tests use --only=sim: `test.sh tests/sim` would make step (a) select nothing,
+# simulator tests use --only=sim: `test.sh tests/sim` would make steps (a) to (c) select nothing,
 # which fails (see below).
 # "No tests collected" (pytest exit code 5) counts as a failure, so a step whose tests
 # vanished (bad marker, bad -k, an import-time skip) cannot pass silently.
@@ -21,8 +23,8 @@ only=all
 pytest_args=()
 for arg in "$@"; do
   case "$arg" in
-    --only=fast | --only=learning | --only=sim) only="${arg#--only=}" ;;
-    --only=*) echo "test.sh: --only takes fast, learning or sim, not '${arg#--only=}'" >&2
+    --only=fast | --only=multihost | --only=learning | --only=sim) only="${arg#--only=}" ;;
+    --only=*) echo "test.sh: --only takes fast, multihost, learning or sim, not '${arg#--only=}'" >&2
       exit 2 ;;
     *) pytest_args+=("$arg") ;;
   esac
@@ -51,7 +53,10 @@ run_step() {
 }
 
 if [[ $only == all || $only == fast ]]; then
-  run_step fast -m "not sim and not learning" "${pytest_args[@]}"  # testpaths = tests
+  run_step fast -m "not sim and not learning and not multihost" "${pytest_args[@]}"
+fi
+if [[ $only == all || $only == multihost ]]; then
+  run_step multihost -m multihost "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == learning ]]; then
   run_step learning -m learning "${pytest_args[@]}"

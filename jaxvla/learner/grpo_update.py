@@ -19,7 +19,9 @@ Two jitted entry points, each built from a :class:`Learner` (its policy,
   ``Learner.apply``, equal a one-minibatch :func:`grpo_update` of their union.
 
 With a learner mesh both are jitted without explicit shardings: the state
-keeps its placement and XLA propagates it.
+keeps its placement and XLA propagates it. In a multi-process run both take this
+process's episodes (and episode count) and assemble the global batch
+(``Learner.to_global_episodes``).
 """
 
 from __future__ import annotations
@@ -149,7 +151,9 @@ def grpo_update(learner: learner_lib.Learner) -> Callable:
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                          rng=rng), metrics
 
-  return jax.jit(update, donate_argnums=0)
+  jitted = jax.jit(update, donate_argnums=0)
+  # Multi-process: this process's episodes -> the global batch (identity otherwise).
+  return lambda state, eb: jitted(state, learner.to_global_episodes(eb))
 
 
 def _check_streamable(normalizer: str) -> None:
@@ -211,5 +215,7 @@ def grpo_micro_grads(learner: learner_lib.Learner) -> Callable:
     return grads, metrics
 
   jitted = jax.jit(micro_grads)
-  return lambda params, eb, num_episodes_total: jitted(params, eb,
-                                                       jnp.float32(num_episodes_total))
+  # Multi-process: eb and num_episodes_total are this process's share.
+  return lambda params, eb, num_episodes_total: jitted(
+      params, learner.to_global_episodes(eb),
+      jnp.float32(num_episodes_total * learner.num_processes))

@@ -12,6 +12,14 @@ moments like their params, scalars and PRNG keys replicated, and data split on
 its batch dimension (the env dimension of a time-major trajectory). Callers
 place the state with :meth:`Learner.shard_state` (or restore it onto
 :meth:`Learner.state_shardings`). Without a mesh nothing changes.
+
+Multi-process (``jax.process_count() > 1``, a mesh over every process's learner
+devices): every entry point takes *this process's* rows of the batch (its own
+env segments, episodes or demonstration chunks, equal in number on every
+process) and assembles the global batch with
+:func:`jaxvla.distributed.to_global`; sizes named in errors and counts such as
+``num_chunks`` are per process, the update is over all processes' data. Every
+process must call the same entry points in the same order (they are collectives).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import ml_collections
 import optax
 from flax import struct
 
+from jaxvla import distributed
 from jaxvla import sharding as sharding_lib
 from jaxvla.algorithms import gae, ppo
 from jaxvla.models import policy as policy_lib
@@ -74,7 +83,11 @@ class Learner:
     self.bc_tx = make_optimizer(bc_config.learning_rate, ppo_config.max_grad_norm)
     self.ppo_tx = make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm)
     self.mesh, self.rules = mesh, rules
+    self.num_processes = jax.process_count()
     if mesh is None:
+      if self.num_processes > 1:
+        raise ValueError("Learner: a multi-process run needs a learner mesh over every "
+                         "process's devices (config.mesh)")
       self.bc_step = jax.jit(self._bc_step, donate_argnums=0)
       self.ppo_update = jax.jit(self._ppo_update, donate_argnums=0)
       self._micro_grads_jit = jax.jit(self._micro_grads)
@@ -84,6 +97,12 @@ class Learner:
     if rules is None:
       raise ValueError("Learner: a mesh needs sharding rules (config.mesh.rules)")
     self.batch_shards = sharding_lib.num_batch_shards(mesh, rules)
+    if self.batch_shards % self.num_processes:
+      raise ValueError(
+          f"the learner mesh {dict(mesh.shape)} splits the batch {self.batch_shards} ways, "
+          f"which {self.num_processes} processes cannot share evenly; each process feeds its "
+          "own batch shards, so config.mesh.data * config.mesh.fsdp must be a multiple of the "
+          "process count")
     self._abstract_params = abstract_params = policy.abstract_params()
     self.param_shardings = sharding_lib.param_shardings(policy.logical_axes(), abstract_params,
                                                         mesh, rules)
@@ -97,6 +116,8 @@ class Learner:
     traj_sh = trajectory_lib.Trajectory(
         batch=steps, chain=steps, log_prob=steps, value=steps, reward=steps, done=steps,
         steps=steps, bootstrap_value=data, policy_version=steps)
+    self._data_sh, self._traj_sh = data, traj_sh
+    self._episodes_sh = (data, steps)  # ([E] arrays, [K, E] arrays) of an EpisodeBatch.
     self._bc_step_jit = jax.jit(self._bc_step, in_shardings=(bc_sh, data, data),
                                 out_shardings=(bc_sh, rep), donate_argnums=0)
     self._ppo_update_jit = jax.jit(self._ppo_update, in_shardings=(ppo_sh, traj_sh),
@@ -131,15 +152,37 @@ class Learner:
 
   def shard_state(self, state: TrainState) -> TrainState:
     """``state`` placed on :meth:`state_shardings` (what ``bc_step``/``ppo_update`` take)."""
-    return jax.device_put(state, self.state_shardings(state))
+    return distributed.device_put(state, self.state_shardings(state))
 
   def _check_batch(self, n: int, what: str, key: str) -> None:
-    if n % self.batch_shards:
-      raise ValueError(f"{what} {n} is not divisible by the {self.batch_shards} batch shards of "
-                       f"the learner mesh {dict(self.mesh.shape)}; adjust {key} or config.mesh")
+    """``n``: this process's share; the mesh splits ``n * num_processes`` rows."""
+    local_shards = self.batch_shards // self.num_processes
+    if n % local_shards:
+      where = (f"the {self.batch_shards} batch shards of the learner mesh "
+               f"{dict(self.mesh.shape)}")
+      if self.num_processes > 1:
+        where = f"this process's {local_shards} of {where} ({self.num_processes} processes)"
+      raise ValueError(f"{what} {n} is not divisible by {where}; adjust {key} or config.mesh")
+
+  def _to_global_traj(self, traj: trajectory_lib.Trajectory) -> trajectory_lib.Trajectory:
+    return distributed.to_global(traj, self._traj_sh)
+
+  def to_global_episodes(self, eb):
+    """This process's ``EpisodeBatch [K, E_local]`` -> global ``[K, E]`` arrays.
+
+    Single process or no mesh: ``eb`` unchanged.
+    """
+    if self.mesh is None or self.num_processes == 1:
+      return eb
+    self._check_batch(eb.log_prob.shape[1], "GRPO episodes per update (or micro-batch)",
+                      "config.num_envs or config.pipeline.micro_batch_segments")
+    per_episode, per_chunk = self._episodes_sh
+    shardings = jax.tree.map(lambda x: per_episode if x.ndim == 1 else per_chunk, eb)
+    return distributed.to_global(eb, shardings)
 
   def _sharded_bc_step(self, state: TrainState, batch: dict, actions):
     self._check_batch(actions.shape[0], "BC batch size", "config.bc.batch_size")
+    batch, actions = distributed.to_global((batch, actions), self._data_sh)
     return self._bc_step_jit(state, batch, actions)
 
   def _sharded_ppo_update(self, state: TrainState, traj: trajectory_lib.Trajectory):
@@ -149,7 +192,7 @@ class Learner:
     if n % self.ppo_config.num_minibatches == 0:  # (else _ppo_update raises)
       self._check_batch(n // self.ppo_config.num_minibatches, "PPO minibatch size (chunks)",
                         "config.ppo.num_minibatches")
-    return self._ppo_update_jit(state, traj)
+    return self._ppo_update_jit(state, self._to_global_traj(traj))
 
   # --------------------------------------------------------------------- BC --
   def _bc_step(self, state: TrainState, batch: dict,
@@ -274,11 +317,17 @@ class Learner:
 
   def micro_grads(self, params, traj: trajectory_lib.Trajectory, num_chunks: int):
     """Streamer: ``(grads, metrics)`` of micro-batch ``traj`` in an update of
-    ``num_chunks`` chunks (add them with :meth:`accumulate`)."""
+    ``num_chunks`` chunks (add them with :meth:`accumulate`).
+
+    Multi-process: ``traj`` and ``num_chunks`` are this process's; the micro-batch
+    is every process's ``traj`` together.
+    """
     if self.mesh is not None:
       self._check_batch(traj.log_prob.shape[1], "streamed micro-batch segments",
                         "config.pipeline.micro_batch_segments")
-    return self._micro_grads_jit(params, traj, jnp.float32(1.0 / num_chunks))
+      traj = self._to_global_traj(traj)
+    return self._micro_grads_jit(params, traj,
+                                 jnp.float32(1.0 / (num_chunks * self.num_processes)))
 
   def accumulate(self, acc, grads_metrics):
     """``acc + grads_metrics`` (``acc`` None: the first micro-batch)."""

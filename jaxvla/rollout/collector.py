@@ -83,6 +83,11 @@ class Collector:
         policy_version=np.full((num_steps, self.env.num_envs), policy_version, np.int32))
 
 
+# The keys of evaluate()'s result.
+EVAL_KEYS = ("success_rate", "episode_return", "episode_length", "num_episodes",
+             "eval_env_steps")
+
+
 def evaluate(env: protocol.VecEnv, policy: policy_lib.Policy, act_fn: Callable, params,
              rng: jax.Array, seed: int, chunk_len: int) -> dict[str, float]:
   """Runs the first episode of every env in ``env`` to its end (fixed ``seed``).

@@ -9,6 +9,10 @@ for the copy to land and only then makes the version current. The rollout takes
 ``latest()`` between inference batches, so it never waits for a copy in flight
 and never switches versions inside an action chunk.
 
+In a multi-process run ``publish`` is a collective (the gather spans every
+host's learner devices): every process's learner calls it after every update,
+and each process's rollout receives a copy on its own rollout devices.
+
 Publishing faster than copies land keeps only the newest pending version (an
 older one still in flight is superseded, counted in ``skipped_versions``).
 
@@ -29,6 +33,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxvla import distributed
 from jaxvla import sharding as sharding_lib
 
 
@@ -77,6 +82,9 @@ class ParamServer:
   def _copy(self, params):
     if self.gather:
       params = sharding_lib.gather(params, self.learner_mesh)
+    # Multi-process: the learner's arrays span every host; this process's rollout
+    # takes the replica on one of its own devices (identity on one process).
+    params = distributed.local_replica(params)
     if self._cast is not None:
       # Fresh buffers the learner never donates: the transfer may reuse them.
       return jax.device_put(self._cast(params), self.rollout_shardings)

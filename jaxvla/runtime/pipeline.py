@@ -32,6 +32,14 @@ version that acted, and the learner at version ``u`` trains on an item only if
 Errors: an exception in the rollout or broadcaster thread stops the run and is
 re-raised in the caller with its traceback; KeyboardInterrupt stops the threads
 and propagates (``train.py`` saves a checkpoint). Nothing is left running.
+
+Multi-process (``jax.distributed``): every process runs this pipeline over its
+own env pool and rollout devices; the learner steps and the weight broadcast are
+collectives over every process's learner devices, so every process makes the same
+number of updates of the same shape. After each update the processes sum their
+env-step counts and stop requests (:func:`jaxvla.distributed.sum_over_hosts`), so
+the budget, the stop and a Ctrl-C on any one process (which then takes effect at
+the end of the current update) are decided alike everywhere.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from jaxvla import distributed
+from jaxvla import sharding as sharding_lib
 from jaxvla.learner import grpo_update as grpo_update_lib
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
@@ -107,7 +117,7 @@ class UpdateInfo:
   """What the learner reports after each update (to ``on_update``)."""
   state: learner_lib.TrainState
   metrics: dict[str, float]
-  env_steps: int  # Env steps of the data this update consumed.
+  env_steps: int  # Env steps of the data this update consumed (all processes).
   dropped_env_steps: int  # ... and of the data dropped as too stale since the last update.
 
 
@@ -175,9 +185,17 @@ class Pipeline:
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self.interrupted = False
+    self.multi_process = distributed.multi_process()
+    self._stop_requested = False  # Multi-process: a Ctrl-C here, agreed at the next update.
+    self._local_params = None  # Multi-process sync_colocated: this host's replica.
+    # Summed over every process at each update (this process's own counts when alone).
+    self.hosts_rollout_env_steps = 0
+    self.hosts_dropped_env_steps = 0
 
   # ------------------------------------------------------------------ params --
   def _colocated_params(self):
+    if self._local_params is not None:
+      return self._local_params
     state = self._state_for_rollout
     return state.params, int(state.step)
 
@@ -189,6 +207,9 @@ class Pipeline:
   def _publish(self, state: learner_lib.TrainState, wait: bool) -> None:
     if self.server is None:
       self._state_for_rollout = state
+      if self.multi_process:  # The learner's arrays span hosts: act on this host's replica.
+        params = sharding_lib.gather(state.params, self.learner.mesh)
+        self._local_params = (distributed.local_replica(params), int(state.step))
     else:
       self.server.publish(state.params, int(state.step), wait=wait)
 
@@ -212,7 +233,13 @@ class Pipeline:
       self.queue.close()
 
   def request_stop(self) -> None:
-    """Stops the run before the next update (Ctrl-C); :meth:`run` returns its state."""
+    """Stops the run before the next update (Ctrl-C); :meth:`run` returns its state.
+
+    Multi-process: only noted here; every process stops after the current update.
+    """
+    if self.multi_process:
+      self._stop_requested = True
+      return
     self.interrupted = True
     self._stop.set()
     self.queue.close()
@@ -312,7 +339,7 @@ class Pipeline:
       self._thread = threading.Thread(target=self._rollout_thread, name="rollout", daemon=True)
       self._thread.start()
     env_steps = start_env_steps
-    dropped_seen = 0
+    dropped_seen = rollout_seen = 0
     try:
       while env_steps < total_env_steps:
         try:
@@ -322,9 +349,19 @@ class Pipeline:
         self._publish(state, wait=not self.levels.train_async)
         dropped = self.queue.stats.dropped_env_steps - dropped_seen
         dropped_seen += dropped
+        rollout = self.rollout.env_steps - rollout_seen
+        rollout_seen += rollout
+        # Every process: the same totals, hence the same stop decision (a collective).
+        steps, dropped, rollout, stop = (int(v) for v in distributed.sum_over_hosts(
+            np.asarray([steps, dropped, rollout, self._stop_requested], np.int64)))
+        self.hosts_rollout_env_steps += rollout
+        self.hosts_dropped_env_steps += dropped
         env_steps += steps + dropped
         on_update(UpdateInfo(state=state, metrics=metrics, env_steps=steps,
                              dropped_env_steps=dropped))
+        if stop:  # Multi-process Ctrl-C, after this update on every process.
+          self.interrupted = True
+          return state
       self._raise_thread_error()
     finally:
       self.stop()
@@ -343,9 +380,18 @@ class Pipeline:
       self._thread = None
     if self.server is not None:
       self.server.close()
-    self._state_for_rollout = None  # Device memory: the caller holds the returned state.
+    self._state_for_rollout = self._local_params = None  # The caller holds the state.
 
   # ----------------------------------------------------------------- metrics --
+  def total_rollout_env_steps(self) -> int:
+    """Env steps every process's rollout executed (multi-process: as of the last update)."""
+    return self.hosts_rollout_env_steps if self.multi_process else self.rollout.env_steps
+
+  def total_dropped_env_steps(self) -> int:
+    """Env steps dropped as too stale on every process (multi-process: as of the last update)."""
+    return (self.hosts_dropped_env_steps if self.multi_process
+            else self.queue.stats.dropped_env_steps)
+
   def in_flight(self) -> dict[str, int]:
     """Data produced but not trained on (discarded if the run stops now)."""
     segments, chunks = self.rollout.in_flight()

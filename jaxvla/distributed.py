@@ -1,0 +1,209 @@
+"""Multi-host runs: ``jax.distributed`` start-up and the host <-> global array moves.
+
+One process per host (or per GPU group) runs the whole job (Sebulba-like, see
+``train.py``): its own env pool, its own rollout devices, and its share of one
+SPMD learner over every process's learner devices. This module owns what that
+needs and nothing else:
+
+* :func:`initialize`: ``jax.distributed.initialize`` from ``config.distributed``
+  (an explicit coordinator, or JAX's cluster auto-detection on TPU pods, SLURM,
+  Open MPI, ...). Must run before anything touches a JAX backend.
+* :func:`to_global`: host-local NumPy data (this process's rows) -> global
+  ``jax.Array``s on the learner mesh (``jax.make_array_from_process_local_data``).
+* :func:`local_replica`: a replicated global array -> this process's copy on one
+  of its devices (what its rollout devices can be fed from).
+* :func:`sum_over_hosts`, :func:`broadcast_from_primary`: small host values
+  (counters, flags, evaluation results) made equal on every process, so every
+  process takes the same decisions (stop, evaluate, save) at the same update.
+
+On a single process every function is the identity (or a plain local
+computation), so single-host code paths do not change.
+
+Failure model: a process that dies makes the others block in their next
+collective until JAX's heartbeat timeout (``config.distributed.heartbeat_timeout_s``)
+aborts them; there is no in-job recovery across hosts (resume from the last
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+log = logging.getLogger(__name__)
+
+
+def _parse_ids(text: str) -> list[int] | None:
+  text = text.strip()
+  if not text:
+    return None
+  try:
+    return [int(x) for x in text.split(",")]
+  except ValueError:
+    raise ValueError(f"config.distributed.local_device_ids={text!r}: expected comma-separated "
+                     "integers such as '0,1'") from None
+
+
+def validate(d: ml_collections.ConfigDict) -> None:
+  """Raises ``ValueError`` naming the ``config.distributed`` key that is wrong."""
+  if d.cluster_auto and d.coordinator_address:
+    raise ValueError("config.distributed: set either cluster_auto=True (JAX detects the "
+                     "cluster) or coordinator_address, not both")
+  if d.coordinator_address:
+    host, _, port = d.coordinator_address.rpartition(":")
+    if not host or not port.isdigit():
+      raise ValueError(f"config.distributed.coordinator_address={d.coordinator_address!r}: "
+                       "expected 'host:port' of process 0")
+    if d.num_processes < 1:
+      raise ValueError(f"config.distributed.num_processes must be >= 1, got {d.num_processes}")
+    if not 0 <= d.process_id < d.num_processes:
+      raise ValueError(f"config.distributed.process_id={d.process_id} is not in "
+                       f"[0, num_processes={d.num_processes})")
+  elif not d.cluster_auto and d.num_processes != 1:
+    raise ValueError(f"config.distributed.num_processes={d.num_processes} needs "
+                     "config.distributed.coordinator_address (or cluster_auto=True)")
+  for key in ("initialization_timeout_s", "heartbeat_timeout_s"):
+    if d[key] < 1:
+      raise ValueError(f"config.distributed.{key} must be >= 1, got {d[key]}")
+  _parse_ids(d.local_device_ids)
+
+
+def initialize(d: ml_collections.ConfigDict) -> None:
+  """Starts ``jax.distributed`` as ``config.distributed`` says (no-op for one process).
+
+  Call before any JAX computation. Idempotent.
+  """
+  validate(d)
+  if not d.cluster_auto and not d.coordinator_address:
+    return
+  if jax.distributed.is_initialized():
+    return
+  kwargs = dict(local_device_ids=_parse_ids(d.local_device_ids),
+                initialization_timeout=d.initialization_timeout_s,
+                heartbeat_timeout_seconds=d.heartbeat_timeout_s)
+  if d.coordinator_address:
+    kwargs.update(coordinator_address=d.coordinator_address, num_processes=d.num_processes,
+                  process_id=d.process_id)
+  jax.distributed.initialize(**kwargs)
+  log.info("jax.distributed: process %d of %d, %d local / %d global devices",
+           jax.process_index(), jax.process_count(), jax.local_device_count(),
+           jax.device_count())
+
+
+def is_primary() -> bool:
+  """Process 0: the one that writes metrics, the summary files and the progress bar."""
+  return jax.process_index() == 0
+
+
+def multi_process() -> bool:
+  return jax.process_count() > 1
+
+
+# ----------------------------------------------------------------- arrays --
+def to_global(tree: Any, shardings: Any) -> Any:
+  """This process's rows of a batch -> global arrays with ``shardings``.
+
+  Args:
+    tree: NumPy (or host) arrays; along each sharded dimension this process
+      holds ``1 / process_count`` of the global batch (its own rows, in order).
+    shardings: one ``NamedSharding`` for every leaf, or a tree of them that is a
+      prefix of ``tree`` (each sharding serves the whole subtree under it).
+
+  Single process: ``tree`` unchanged (``jit`` places it by its in-shardings).
+  """
+  if not multi_process():
+    return tree
+
+  def under(sharding, subtree):
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), subtree)
+  return jax.tree.map(under, shardings, tree,
+                      is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+
+
+def device_put(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put`` that also places *host-local* values on multi-process shardings.
+
+  Every process must pass the same value for a leaf that is not already a global
+  array (a fresh optimizer step count, a PRNG key, NumPy params): it is read
+  through the host (``jax.make_array_from_callback``), since handing a committed
+  single-device array to a sharding that spans processes does not build a
+  valid global array. Global arrays are resharded by ``jax.device_put``.
+  """
+  if not multi_process():
+    return jax.device_put(tree, shardings)
+
+  def place(x, sharding):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.tree.map(place, tree, shardings)
+
+
+def local_replica(tree: Any) -> Any:
+  """Replicated global arrays -> single-device arrays on one of this process's devices.
+
+  Raises:
+    ValueError: a leaf is not fully replicated (gather it first).
+  """
+  if not multi_process():
+    return tree
+
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return x
+    if not x.sharding.is_fully_replicated:
+      raise ValueError(f"local_replica: an array of shape {x.shape} is sharded as "
+                       f"{x.sharding}; gather it to a replicated layout first")
+    return x.addressable_shards[0].data
+  return jax.tree.map(one, tree)
+
+
+# ------------------------------------------------------------ host values --
+def sum_over_hosts(values) -> np.ndarray:
+  """Element-wise sum of a small NumPy vector over every process (a collective)."""
+  values = np.asarray(values)
+  if not multi_process():
+    return values
+  return np.asarray(multihost_utils.process_allgather(values)).sum(axis=0)
+
+
+def broadcast_from_primary(values: dict[str, float]) -> dict[str, float]:
+  """Process 0's ``values`` on every process (same keys everywhere; a collective)."""
+  if not multi_process():
+    return values
+  keys = sorted(values)
+  arr = np.asarray([float(values[k]) for k in keys], np.float64)
+  arr = np.asarray(multihost_utils.broadcast_one_to_all(arr))
+  return dict(zip(keys, (float(v) for v in arr)))
+
+
+def check_same_on_hosts(value: str, what: str) -> None:
+  """Raises on every process if ``value`` differs between processes (a collective).
+
+  Args:
+    value: e.g. the workdir or the config as JSON.
+    what: how the error names it (e.g. ``'--workdir'``).
+  """
+  if not multi_process():
+    return
+  digest = zlib.crc32(value.encode()) & 0x7FFFFFFF
+  digests = np.asarray(multihost_utils.process_allgather(np.asarray(digest, np.int32)))
+  differ = [p for p, d in enumerate(digests.reshape(-1)) if d != digests.reshape(-1)[0]]
+  if differ:
+    raise ValueError(f"{what} differs between processes: processes {differ} do not have "
+                     f"process 0's (this is process {jax.process_index()}: {value[:200]!r}); "
+                     "every process must run the same config and workdir")
+
+
+def barrier(name: str) -> None:
+  """Every process waits here until all have arrived."""
+  if multi_process():
+    multihost_utils.sync_global_devices(name)

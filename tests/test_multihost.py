@@ -1,0 +1,225 @@
+"""Multi-host runs on one machine: two processes joined through ``jax.distributed`` (gloo).
+
+Each process owns one CPU device, so the learner mesh spans both processes and
+the params are FSDP-sharded across them, as across the hosts of a GPU cluster or
+a TPU pod. Checked:
+
+* the learner split over two processes, each feeding half of every batch,
+  computes the same BC step, PPO update and streamed update as one process
+  on the whole batch (``tests/multihost_check.py``);
+* ``python -m jaxvla.main`` as two processes, fully asynchronous (L1+L2+L3):
+  both finish with the same summary, the budget counts both processes' env
+  steps, process 0 alone writes the metrics, the checkpoint restores on both
+  (resume), and the export loads;
+* ``config.distributed`` errors name the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from configs import default
+from jaxvla import checkpoint as checkpoint_lib
+from jaxvla import config_checks, distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _env() -> dict:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # One CPU device per process.
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # (compile time)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def _run_processes(argv_of, n: int, timeout: float) -> list[subprocess.CompletedProcess]:
+  """Starts ``n`` processes (``argv_of(i)``) and waits for all; a hang fails the test."""
+  procs = [subprocess.Popen(argv_of(i), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(n)]
+  out = []
+  try:
+    for i, p in enumerate(procs):
+      stdout, stderr = p.communicate(timeout=timeout)
+      out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for i, r in enumerate(out):
+    assert r.returncode == 0, f"process {i} failed:\n{r.stderr[-6000:]}"
+  return out
+
+
+@pytest.mark.multihost
+def test_learner_split_over_two_processes_matches_one_process(tmp_path):
+  script = os.path.join(ROOT, "tests", "multihost_check.py")
+  ref, split = tmp_path / "one.npz", tmp_path / "two.npz"
+  _run_processes(lambda i: [sys.executable, script, str(ref)], 1, timeout=600)
+  port = _free_port()
+  _run_processes(lambda i: [sys.executable, script, str(split),
+                            f"--coordinator=localhost:{port}", "--num_processes=2",
+                            f"--process_id={i}"], 2, timeout=600)
+  want, got = np.load(ref), np.load(split)
+  assert set(want) == set(got)
+  params = [k for k in want if k.split("[")[0] in ("bc_params", "ppo_params", "stream_params")]
+  assert len(params) > 50, params  # every leaf of three param trees
+  for k in params:  # Same global batch, same update, to float32 reduction order.
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+  for k in want:
+    if k.startswith(("ppo_metric_", "stream_metric_")) or k == "bc_loss":
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+  # Real updates happened (not a comparison of two untouched inits).
+  assert int(got["step"]) == 1
+  key = "['rl']['value_out']['kernel']"
+  assert not np.allclose(got["ppo_params" + key], got["bc_params" + key])
+  np.testing.assert_array_equal(got["sum_over_hosts"], [1 + 2, 10 + 10])
+  assert float(got["broadcast"]) == 7.0  # process 0's value on both
+
+
+def _main_argv(workdir: str, port: int, i: int, *extra: str) -> list[str]:
+  return [sys.executable, "-m", "jaxvla.main", "--config=configs/default.py:smoke",
+          f"--workdir={workdir}",
+          f"--config.distributed.coordinator_address=localhost:{port}",
+          "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+          "--config.distributed.initialization_timeout_s=120",
+          "--config.pipeline.mode=async", "--config.pipeline.streamer=True",
+          "--config.env_workers=2", "--config.pipeline.micro_batch_segments=2",
+          "--config.ppo.num_minibatches=2", "--config.ppo.num_epochs=1",
+          "--config.ppo.advantage_norm=none", *extra]
+
+
+@pytest.mark.multihost
+def test_two_process_async_run_trains_checkpoints_and_resumes(tmp_path):
+  workdir = str(tmp_path / "run")
+  budget = 1_200
+  port = _free_port()
+  runs = _run_processes(lambda i: _main_argv(workdir, port, i,
+                                             f"--config.total_env_steps={budget}"),
+                        2, timeout=800)
+  summaries = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+  a, b = summaries
+  assert a["num_processes"] == b["num_processes"] == 2
+  assert a["pipeline"] == "async[L1+L2+L3]"
+  for key in ("env_steps", "iterations", "policy_version", "success_rate", "rollout_env_steps"):
+    assert a[key] == b[key], key  # decided together: same budget count, same stop
+  # One update consumes num_envs segments of rollout_len chunks on *each* process.
+  per_update = 2 * 8 * 4 * 5
+  assert a["env_steps"] >= budget and a["iterations"] <= -(-budget // (per_update // 2)) + 1
+  assert a["env_steps"] > a["iterations"] * per_update // 2  # both processes' steps counted
+  assert a["rollout_env_steps"] >= a["env_steps"]
+  # Process 0 alone writes metrics: every train record once.
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    records = [json.loads(line) for line in f]
+  train = [r for r in records if r["phase"] == "train"]
+  assert len(train) == a["iterations"]
+  assert train[-1]["learner_busy"] > 0 and train[-1]["broadcast_busy"] > 0
+  params, _ = checkpoint_lib.load_policy_params(os.path.join(workdir, "export"))
+  assert np.all(np.isfinite(np.asarray(params["rl"]["value_out"]["kernel"])))
+
+  # Resume on both processes from the last checkpoint, to a larger budget.
+  port = _free_port()
+  runs = _run_processes(lambda i: _main_argv(workdir, port, i, "--config.resume=True",
+                                             f"--config.total_env_steps={2 * budget}"),
+                        2, timeout=800)
+  c, d = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+  assert c["env_steps"] == d["env_steps"] >= 2 * budget
+  assert c["policy_version"] == d["policy_version"] > a["policy_version"]
+  assert c["discarded_on_resume"] == d["discarded_on_resume"] is not None
+
+
+@pytest.mark.multihost
+def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
+  """SIGINT to process 1 only: both stop after the same update and save it."""
+  workdir = str(tmp_path / "run")
+  port = _free_port()
+  procs = [subprocess.Popen(_main_argv(workdir, port, i, "--config.total_env_steps=1000000",
+                                       "--config.eval.every_iters=1000",
+                                       "--config.checkpoint.every_iters=1000"),
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for i in range(2)]
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  try:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:  # Wait for the second RL update (process 0 writes).
+      assert all(p.poll() is None for p in procs), "a process ended before the interrupt"
+      if os.path.exists(metrics):
+        with open(metrics, encoding="utf-8") as f:
+          if sum('"phase": "train"' in line for line in f) >= 2:
+            break
+      time.sleep(0.5)
+    else:
+      pytest.fail("no RL update within 600 s")
+    procs[1].send_signal(signal.SIGINT)
+    results = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, (_, stderr) in zip(procs, results):
+    assert p.returncode == 0, stderr[-4000:]
+  a, b = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
+  assert a["interrupted"] and b["interrupted"]
+  assert a["policy_version"] == b["policy_version"] == a["iterations"] >= 2
+  assert a["env_steps"] == b["env_steps"] < 1_000_000
+  assert checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), 2).latest_step() \
+      == a["iterations"]
+
+
+@pytest.mark.multihost
+def test_processes_with_different_workdirs_fail_with_a_clear_error(tmp_path):
+  port = _free_port()
+  procs = [subprocess.Popen(_main_argv(str(tmp_path / f"run{i}"), port, i), cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  try:
+    results = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, (_, stderr) in zip(procs, results):
+    assert p.returncode != 0
+    assert "--workdir differs between processes" in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (dict(coordinator_address="localhost"), "coordinator_address"),
+    (dict(coordinator_address="localhost:1234", num_processes=2, process_id=2), "process_id"),
+    (dict(num_processes=2), "num_processes"),
+    (dict(cluster_auto=True, coordinator_address="localhost:1234"), "cluster_auto"),
+    (dict(local_device_ids="0,a"), "local_device_ids"),
+    (dict(heartbeat_timeout_s=0), "heartbeat_timeout_s"),
+])
+def test_distributed_config_errors_name_the_key(overrides, key):
+  c = default.get_config()
+  with c.unlocked():
+    c.distributed.update(overrides)
+  with pytest.raises(ValueError, match=key):
+    config_checks.validate(c)
+
+
+def test_single_process_helpers_are_the_identity():
+  tree = {"a": np.arange(3)}
+  assert distributed.to_global(tree, None) is tree
+  assert distributed.local_replica(tree) is tree
+  np.testing.assert_array_equal(distributed.sum_over_hosts([1, 2]), [1, 2])
+  assert distributed.broadcast_from_primary({"x": 1.0}) == {"x": 1.0}
+  assert distributed.is_primary() and not distributed.multi_process()
