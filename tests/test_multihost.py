@@ -145,6 +145,25 @@ def test_two_process_async_run_trains_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.multihost
+@pytest.mark.parametrize("streamer", [False, True])
+def test_two_process_grpo_run(tmp_path, streamer):
+  """GRPO: each process's episode groups, assembled into one global batch per update."""
+  workdir = str(tmp_path / "grpo")
+  port = _free_port()
+  runs = _run_processes(lambda i: _main_argv(
+      workdir, port, i, "--config.total_env_steps=600", "--config.env.group_size=2",
+      "--config.ppo.algorithm=grpo", "--config.ppo.loss_normalizer=constant",
+      f"--config.pipeline.streamer={streamer}", "--config.checkpoint.every_iters=1000"),
+      2, timeout=800)
+  a, b = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+  assert a["iterations"] == b["iterations"] >= 1 and a["env_steps"] == b["env_steps"] >= 600
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    train = [r for r in map(json.loads, f) if r["phase"] == "train"]
+  assert len(train) == a["iterations"]
+  assert all(np.isfinite(r["loss"]) and "episode_return_mean" in r for r in train)
+
+
+@pytest.mark.multihost
 def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
   """SIGINT to process 1 only: both stop after the same update and save it."""
   workdir = str(tmp_path / "run")

@@ -18,8 +18,9 @@ Two jitted entry points, each built from a :class:`Learner` (its policy,
   ``(grads, metrics)``, added with ``Learner.accumulate`` and applied with
   ``Learner.apply``, equal a one-minibatch :func:`grpo_update` of their union.
 
-With a learner mesh both are jitted without explicit shardings: the state
-keeps its placement and XLA propagates it. In a multi-process run both take this
+With a learner mesh both are jitted with the learner's output shardings (state
+and gradients laid out like the params, metrics replicated); inputs keep their
+placement and XLA propagates it. In a multi-process run both take this
 process's episodes (and episode count) and assemble the global batch
 (``Learner.to_global_episodes``).
 """
@@ -151,7 +152,10 @@ def grpo_update(learner: learner_lib.Learner) -> Callable:
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                          rng=rng), metrics
 
-  jitted = jax.jit(update, donate_argnums=0)
+  # With a mesh, outputs keep the learner's layouts (the state goes on to other jits).
+  out = (None if learner.mesh is None
+         else (learner.ppo_state_shardings, learner.replicated_sharding))
+  jitted = jax.jit(update, donate_argnums=0, out_shardings=out)
   # Multi-process: this process's episodes -> the global batch (identity otherwise).
   return lambda state, eb: jitted(state, learner.to_global_episodes(eb))
 
@@ -214,7 +218,10 @@ def grpo_micro_grads(learner: learner_lib.Learner) -> Callable:
     metrics.update({k: share * v for k, v in _batch_metrics(eb).items()})
     return grads, metrics
 
-  jitted = jax.jit(micro_grads)
+  # Gradients laid out like the params, as Learner.accumulate / apply expect.
+  out = (None if learner.mesh is None
+         else (learner.param_shardings, learner.replicated_sharding))
+  jitted = jax.jit(micro_grads, out_shardings=out)
   # Multi-process: eb and num_episodes_total are this process's share.
   return lambda params, eb, num_episodes_total: jitted(
       params, learner.to_global_episodes(eb),

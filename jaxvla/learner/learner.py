@@ -117,6 +117,8 @@ class Learner:
         batch=steps, chain=steps, log_prob=steps, value=steps, reward=steps, done=steps,
         steps=steps, bootstrap_value=data, policy_version=steps)
     self._data_sh, self._traj_sh = data, traj_sh
+    # For updates jitted elsewhere (GRPO): outputs laid out like this learner's.
+    self.ppo_state_shardings, self.replicated_sharding = ppo_sh, rep
     self._episodes_sh = (data, steps)  # ([E] arrays, [K, E] arrays) of an EpisodeBatch.
     self._bc_step_jit = jax.jit(self._bc_step, in_shardings=(bc_sh, data, data),
                                 out_shardings=(bc_sh, rep), donate_argnums=0)
