@@ -23,12 +23,15 @@ First-ready batches have any size from 1 to the number of envs; inference pads
 each to a bucket (:func:`bucket_size`: powers of two, and the env count) so the
 jitted ``act`` / ``value`` compile a handful of shapes, not one per size (a
 full-size model compiles for seconds). Padded rows repeat row 0 and are cut from
-the outputs.
+the outputs. Every bucket is compiled when first-ready stepping starts
+(:meth:`Rollout.compile_buckets`), so no compilation stalls the rollout later in
+the run (each one stalled it for seconds on CPU, measured in the benchmark).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Any, Callable
 
@@ -40,6 +43,8 @@ from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import collector as collector_lib
 from jaxvla.rollout import trajectory as trajectory_lib
 from jaxvla.runtime import queue as queue_lib
+
+log = logging.getLogger(__name__)
 
 _STEP_FIELDS = ("chain", "log_prob", "value", "version")
 
@@ -54,6 +59,12 @@ def bucket_size(n: int, limit: int) -> int:
   if not 1 <= n <= limit:
     raise ValueError(f"batch of {n} rows is outside [1, {limit}]")
   return min(1 << (n - 1).bit_length(), limit)
+
+
+def bucket_sizes(limit: int) -> list[int]:
+  """Every padded batch size :func:`bucket_size` can return for ``limit`` envs."""
+  return sorted({bucket_size(n, limit) for n in (1 << k for k in range(limit.bit_length()))}
+                | {limit})
 
 
 def pad_rows(tree: Any, size: int) -> Any:
@@ -254,6 +265,25 @@ class Rollout:
         values = np.asarray(jax.device_get(self.value_fn(params, padded)))[:full.size]
       self.builder.complete(env_ids[full], values)
 
+  def compile_buckets(self, obs: protocol.Observation) -> float:
+    """Compiles ``act`` and ``value`` for every bucket size, before they are needed.
+
+    Runs each once on rows of ``obs`` (outputs discarded; the sampler's key
+    sequence is not advanced). Returns the seconds it took (``timing['compile_s']``).
+    """
+    t0 = time.perf_counter()
+    params, _ = self.params_fn()
+    batch = self.policy.prepare(obs)
+    key = jax.random.fold_in(self.rng, 0x7FFFFFFF)
+    sizes = bucket_sizes(self.env.num_envs)
+    for size in sizes:
+      rows = pad_rows(_rows(batch, np.arange(min(size, self.env.num_envs))), size)
+      jax.block_until_ready((self.act_fn(params, rows, key), self.value_fn(params, rows)))
+    seconds = time.perf_counter() - t0
+    self.timing["compile_s"] += seconds
+    log.info("rollout: act / value compiled for inference batches %s in %.1f s", sizes, seconds)
+    return seconds
+
   # ---------------------------------------------------------------- lockstep --
   def step_all(self) -> None:
     """One chunk for every env (``env.step_chunk``)."""
@@ -283,6 +313,7 @@ class Rollout:
       self._parked_ids = np.arange(self.env.num_envs)
       self._parked_obs = self.env.reset(self.seed)
       self._started_ready = True
+      self.compile_buckets(self._parked_obs)
       self._env_busy_since = time.perf_counter()
     ids, obs = self._parked_ids, self._parked_obs
     nothing_in_flight = not self._in_flight  # Only the pacer can unblock the parked envs.
