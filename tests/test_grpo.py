@@ -32,13 +32,15 @@ def _act(builder, env_ids, step, version=0):
   builder.on_act(env_ids, {"x": x[:, None]}, out, version)
 
 
-def _result(env_ids, ended, episode_of, returns, group_size=GROUP_SIZE):
-  """A chunk result for ``env_ids`` where envs ``ended`` finish episode ``episode_of[i]``."""
+def _result(env_ids, ended, episode_of, returns, group_size=GROUP_SIZE, faults=()):
+  """A chunk result for ``env_ids`` where envs ``ended`` finish episode ``episode_of[i]``
+  (envs in ``faults`` lost it to a worker restart)."""
   env_ids = np.asarray(env_ids)
   done = np.isin(env_ids, ended)
   stats = [protocol.EpisodeStats(env_id=int(i), group=int(i) // group_size,
                                  episode=episode_of[i], episode_return=returns[i], length=0,
-                                 success=False, truncated=False) for i in ended]
+                                 success=False, truncated=i in faults, fault=i in faults)
+           for i in ended]
   n = len(env_ids)
   return protocol.ChunkStep(obs=None, reward=np.ones(n, np.float32), terminated=done,
                             truncated=np.zeros(n, bool), success=np.zeros(n, bool),
@@ -87,6 +89,21 @@ def test_builder_gathers_groups_whose_members_finish_apart():
   assert builder.in_flight() == (3, 4)
   cat = episodes_lib.concat_episode_batches([g0, g1])
   assert cat.num_episodes == 4 and cat.log_prob.shape == (3, 4)
+
+
+def test_fault_truncated_episode_is_left_out_of_its_group():
+  """A worker restart's lost episode: advantage 0, the group normalised without it."""
+  builder = episodes_lib.EpisodeBuilder(6, 3, max_chunks=2)
+  ids = np.arange(6)
+  returns = {0: 1.0, 1: 0.0, 2: 0.0, 3: 0.0, 4: 1.0, 5: 0.5}
+  _act(builder, ids, 0)
+  builder.on_result(ids, _result(ids, list(ids), {i: 0 for i in ids}, returns, group_size=3,
+                                 faults=(2, 5)))
+  g0, g1 = [it.data for it in builder.pop_items()]
+  # Group 0: {1.0, 0.0} without env 2's 0.0 -> +-1 (with it: 1.41, -0.71, -0.71).
+  np.testing.assert_allclose(g0.advantage, [1.0, -1.0, 0.0], atol=1e-5)
+  np.testing.assert_allclose(g1.advantage, [-1.0, 1.0, 0.0], atol=1e-5)
+  np.testing.assert_allclose(g0.episode_return, [1.0, 0.0, 0.0])  # still reported
 
 
 def test_builder_errors():

@@ -202,7 +202,8 @@ def test_sigkill_restarts_worker_and_reports_truncated_episodes():
     assert pool.stats.restarts == 1 and pool.stats.died == 1
     lost = [e for e in res.episodes if e.env_id in (0, 1)]
     assert [e.env_id for e in lost] == [0, 1] and pool.stats.truncated_by_fault == 2
-    assert all(e.truncated and not e.success for e in lost)
+    assert all(e.truncated and e.fault and not e.success for e in lost)
+    assert not any(e.fault for e in res.episodes if e.env_id not in (0, 1))
     # The lost episodes' lengths: what they had run before the kill (0 if one just auto-reset).
     assert [e.length for e in lost] == [0 if first.done[i] else first.steps[i] for i in (0, 1)]
     assert pool.pids[0] != old_pid and not psutil.pid_exists(old_pid)

@@ -491,7 +491,7 @@ class EnvPool:
                                       episode=int(self._episode[i]),
                                       episode_return=float(self._ep_return[i]),
                                       length=int(self._ep_length[i]), success=False,
-                                      truncated=True)]
+                                      truncated=True, fault=True)]
         self._episode[i] += 1
         self.stats.truncated_by_fault += 1
       self._ep_return[i], self._ep_length[i] = 0.0, 0

@@ -90,6 +90,8 @@ class EpisodeStats:
     length: env steps executed.
     success: ended in success.
     truncated: hit the time limit (or was lost to a worker restart).
+    fault: lost to a worker restart (``truncated`` too): its return is not an
+      outcome of the policy, so GRPO leaves it out of its group's statistics.
   """
   env_id: int
   group: int
@@ -98,6 +100,7 @@ class EpisodeStats:
   length: int
   success: bool
   truncated: bool
+  fault: bool = False
 
 
 @dataclasses.dataclass

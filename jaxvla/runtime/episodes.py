@@ -44,7 +44,8 @@ class EpisodeBatch:
     chain: ``[K, E, ...]`` stored sampler chains.
     log_prob: ``[K, E]`` behaviour log-probabilities (0 on padding).
     mask: ``bool [K, E]`` the chunk was played (False: padding).
-    advantage: ``float32 [E]`` group-normalised advantage of each episode.
+    advantage: ``float32 [E]`` group-normalised advantage of each episode (0 for
+      an episode lost to a worker restart, which its group's statistics leave out).
     episode_return: ``float32 [E]`` episode returns (from the env's EpisodeStats).
     group: ``int32 [E]`` GRPO group of each episode.
     episode: ``int32 [E]`` episode number ``k`` (``(group, episode)`` fixes the init).
@@ -180,7 +181,8 @@ class EpisodeBuilder:
     members = self._waiting.setdefault(key, {})
     if i in members:
       raise RuntimeError(f"env {i}: episode {key[1]} of group {key[0]} finished twice")
-    members[i] = dict(chunks=self._open[i], episode_return=np.float32(stats.episode_return))
+    members[i] = dict(chunks=self._open[i], episode_return=np.float32(stats.episode_return),
+                      fault=bool(stats.fault))
     self._open[i] = []
     if len(members) == self.group_size:
       del self._waiting[key]
@@ -209,7 +211,11 @@ class EpisodeBuilder:
           steps=np.array([c["steps"] for c in chunks] + [0] * (k - n), np.int32)))
     stack = lambda *xs: np.stack(xs, axis=1)  # [K, G, ...]
     returns = np.array([m["episode_return"] for m in members], np.float32)
-    adv = grpo.group_advantages(returns, np.zeros(len(members), np.int32), 1, scale=self.scale)
+    # An episode lost to a worker restart is no outcome: it is left out of the group's
+    # mean and std and gets advantage 0 (its chunks then carry no policy gradient).
+    valid = np.array([not m["fault"] for m in members])
+    adv = grpo.group_advantages(returns, np.zeros(len(members), np.int32), 1, scale=self.scale,
+                                valid=valid)
     return EpisodeBatch(
         batch=jax.tree.map(stack, *[p["batch"] for p in padded]),
         chain=stack(*[p["chain"] for p in padded]),
