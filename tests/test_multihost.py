@@ -145,6 +145,21 @@ def test_two_process_async_run_trains_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.multihost
+@pytest.mark.parametrize("mode", ["sync_colocated", "sync_disaggregated"])
+def test_two_process_sync_modes(tmp_path, mode):
+  """The synchronous baselines: each process acts on its replica of the learner's params."""
+  workdir = str(tmp_path / mode)
+  port = _free_port()
+  runs = _run_processes(lambda i: _main_argv(
+      workdir, port, i, "--config.total_env_steps=600", f"--config.pipeline.mode={mode}",
+      "--config.checkpoint.every_iters=1000"), 2, timeout=800)
+  a, b = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+  assert a["pipeline"] == b["pipeline"] == mode
+  assert a["iterations"] == b["iterations"] >= 1 and a["env_steps"] == b["env_steps"] >= 600
+  assert a["staleness_mean"] == 0.0 and a["success_rate"] == b["success_rate"]
+
+
+@pytest.mark.multihost
 @pytest.mark.parametrize("streamer", [False, True])
 def test_two_process_grpo_run(tmp_path, streamer):
   """GRPO: each process's episode groups, assembled into one global batch per update."""
