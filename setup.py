@@ -59,6 +59,8 @@ setup(
     version="0.1.0",
     description="JAX framework to RL-fine-tune Vision-Language-Action policies in simulators",
     packages=find_packages(include=["jaxvla", "jaxvla.*"]),
+    # openpi's parameter trees (shapes only), for the import checks and the summary.
+    package_data={"jaxvla.models": ["openpi_params.json"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

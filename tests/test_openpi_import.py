@@ -1,6 +1,6 @@
 """openpi checkpoint import: layouts, dtype casts, shardings and path-by-path checks.
 
-Synthetic checkpoints use openpi's real parameter paths (``shared/spec/openpi_params.json``)
+Synthetic checkpoints use openpi's real parameter paths (``jaxvla/models/openpi_params.json``)
 with every dimension shrunk to at most 3; the full-size trees are checked abstractly.
 """
 
@@ -17,8 +17,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxvla.models import openpi_import as oi
+from jaxvla.models import summary
 
-SPEC_PATH = "/work/shared/spec/openpi_params.json"
+SPEC_PATH = summary.DEFAULT_SPEC
 MODELS = ("pi0", "pi05")
 RL_PATH = "rl/value_out/kernel"
 

@@ -10,10 +10,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxvla.envs import builtin, protocol
-from jaxvla.models import openpi_import, pi0, policy as policy_lib
+from jaxvla.models import openpi_import, pi0, policy as policy_lib, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC = os.path.join(ROOT, "..", "shared", "spec", "openpi_params.json")
+SPEC = summary.DEFAULT_SPEC  # openpi's trees, shipped with the package
 
 
 def _spec() -> dict:

@@ -349,6 +349,11 @@ def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
   last = train_records[-1]
   for key in ("env_busy", "inference_busy", "learner_busy", "staleness_mean", "queue_depth"):
     assert key in last, key
+  # The env pool's workers (2, each stepping its envs): a real share of their time.
+  assert 0.0 < last["env_workers_busy"] <= 1.0 + 1e-6
+  if switches.get("rollout_async") and switches.get("train_async"):
+    # First-ready beside training: some env steps most of the time (during inference too).
+    assert last["env_busy"] > 0.5, last["env_busy"]
   assert last["staleness_max"] <= c.pipeline.max_staleness
   if mode == "sync_colocated":
     assert last["staleness_max"] == 0 and summary["dropped_env_steps"] == 0

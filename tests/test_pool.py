@@ -173,6 +173,8 @@ def test_first_ready_does_not_wait_for_a_slow_worker():
     assert t_fast < 1.8  # Well before the slow env's 2 s.
     ids_c, _ = pool.recv(4, 0.0)
     assert ids_c.tolist() == [0] and time.monotonic() - t0 >= 1.9
+    # Worker busy time: the slow worker's 2 s plus the fast ones' short chunks.
+    assert 2.0 <= pool.stats.worker_busy_s < 2.0 + 3 * 0.5
 
 
 def test_t_max_bounds_the_wait_after_the_first_ready_env():

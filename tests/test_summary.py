@@ -10,7 +10,7 @@ import pytest
 from jaxvla.models import summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC = os.path.join(ROOT, "..", "shared", "spec", "openpi_params.json")
+SPEC = summary.DEFAULT_SPEC
 
 
 @pytest.fixture(scope="module")

@@ -139,6 +139,7 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
     gc.collect()
   (t0, s0, r0, c0, d0), (t1, s1, r1, _, d1) = marks[_WARMUP.value - 1], marks[-1]
   window = pipe.clock.window(c0)
+  workers = pipe.workers_busy(since=c0)  # The env pool's utilisation over the timed window.
   stats = pipe.metrics()
   trained_rate = (s1 - s0) / (t1 - t0)
   usable_rate = (r1 - r0 - (d1 - d0)) / (t1 - t0)
@@ -149,6 +150,7 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
              staleness_control=c.pipeline.staleness_control,
              staleness_mean=stats.get("staleness_mean", 0.0),
              dropped_env_steps=int(stats["queue_dropped_env_steps"]),
+             env_workers_busy=workers,  # None without an env pool (env_workers=0).
              **{k: v for k, v in window.items() if k.endswith("_busy")})
   if name == "+streamer" and _TIMELINE.value:
     from jaxvla.runtime import stages  # pylint: disable=import-outside-toplevel
@@ -237,7 +239,8 @@ def main(argv):
     print(f"{k:<24}{v:>12.1f}{'  <- slowest' if k == slowest else ''}", flush=True)
   rows = []
   print(f"{'mode':<20}{'pipeline':<18}{'env steps/s':>12}{'trained':>9}{'usable':>8}"
-        f"{'vs sync':>9}{'efficiency':>11}{'env':>6}{'infer':>7}{'learn':>7}{'stale':>7}{'dropped':>9}")
+        f"{'vs sync':>9}{'efficiency':>11}{'env':>6}{'workers':>8}{'infer':>7}{'learn':>7}"
+        f"{'stale':>7}{'dropped':>9}")
   for name in _MODES.value:
     row = run_mode(base, name, parts)
     base_sps = rows[0]["env_steps_per_s"] if rows else row["env_steps_per_s"]
@@ -247,7 +250,9 @@ def main(argv):
     print(f"{name:<20}{row['pipeline']:<18}{row['env_steps_per_s']:>12.1f}"
           f"{row['trained_env_steps_per_s']:>9.1f}{row['usable_rollout_env_steps_per_s']:>8.1f}"
           f"{row['speedup_vs_sync_colocated']:>9.2f}{row['efficiency']:>11.2f}"
-          f"{row['env_busy']:>6.2f}{row['inference_busy']:>7.2f}{row['learner_busy']:>7.2f}"
+          f"{row['env_busy']:>6.2f}"
+          + (f"{'-':>8}" if row["env_workers_busy"] is None else f"{row['env_workers_busy']:>8.2f}")
+          + f"{row['inference_busy']:>7.2f}{row['learner_busy']:>7.2f}"
           f"{row['staleness_mean']:>7.2f}{row['dropped_env_steps']:>9d}", flush=True)
   full = rows[-1]
   print(json.dumps(dict(

@@ -103,6 +103,9 @@ class PoolStats:
   truncated_by_fault: int = 0  # Episodes lost to a restart, reported as truncated.
   chunks: int = 0  # Env chunk steps received (faults excluded).
   env_steps: int = 0  # Actions executed by the envs.
+  # Seconds the workers spent executing chunks, summed over workers (divide by
+  # num_workers * wall time for the env stage's utilisation).
+  worker_busy_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -671,6 +674,7 @@ class EnvPool:
     if msg[0] != "step":
       raise RuntimeError(f"worker {w.index} answered {msg[0]!r} to a step command")
     _, results, instr, ready_at = msg
+    self.stats.worker_busy_s += max(0.0, ready_at - w.busy_since)
     if w.outstanding:  # The next queued command started when this one finished.
       w.busy_since = max(ready_at, w.outstanding[0][1])
     for i, res, text in zip(ids, results, instr):

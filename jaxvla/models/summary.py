@@ -1,7 +1,7 @@
 """Per-module parameter counts of a policy, abstractly: ``python -m jaxvla.models.summary``.
 
 This module owns the per-module parameter breakdown of the VLA trees and its
-comparison with openpi's parameter spec (``shared/spec/openpi_params.json``):
+comparison with openpi's parameter spec (``jaxvla/models/openpi_params.json``):
 
 * ``siglip``: ``PaliGemma/img`` minus its head (the So400m/14 ViT);
 * ``multimodal_projector``: ``PaliGemma/img/head`` (ViT width -> LLM width);
@@ -39,7 +39,9 @@ import ml_collections
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_SPEC = os.path.join(ROOT, "..", "shared", "spec", "openpi_params.json")
+# openpi's parameter trees (names, shapes, dtypes), read from openpi's own model code
+# (provenance in the file's "source" and "how" fields; third_party/README.md).
+DEFAULT_SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openpi_params.json")
 
 MODULES = ("siglip", "multimodal_projector", "gemma_llm", "action_expert", "action_projections")
 RL_KEY = "rl"

@@ -191,6 +191,7 @@ class Pipeline:
     # Summed over every process at each update (this process's own counts when alone).
     self.hosts_rollout_env_steps = 0
     self.hosts_dropped_env_steps = 0
+    self._worker_marks = [(0.0, 0.0)]  # (clock seconds, pool worker-busy seconds) per update.
 
   # ------------------------------------------------------------------ params --
   def _colocated_params(self):
@@ -356,6 +357,8 @@ class Pipeline:
             np.asarray([steps, dropped, rollout, self._stop_requested], np.int64)))
         self.hosts_rollout_env_steps += rollout
         self.hosts_dropped_env_steps += dropped
+        if self._workers_busy_s() is not None:
+          self._worker_marks.append((self.clock.elapsed(), self._workers_busy_s()))
         env_steps += steps + dropped
         on_update(UpdateInfo(state=state, metrics=metrics, env_steps=steps,
                              dropped_env_steps=dropped))
@@ -399,9 +402,31 @@ class Pipeline:
     return dict(in_flight_segments=segments + sum(it.data.log_prob.shape[1] for it in queued),
                 in_flight_chunks=chunks + sum(it.num_chunks for it in queued))
 
+  def _workers_busy_s(self) -> float | None:
+    """Seconds the env pool's workers spent stepping (None without a pool)."""
+    stats = getattr(self.env, "stats", None)
+    return getattr(stats, "worker_busy_s", None)
+
+  def workers_busy(self, since: float = 0.0) -> float | None:
+    """Fraction of the env workers' time spent stepping since the last update at or
+    before clock time ``since`` (None without an env pool).
+
+    The ``env`` stage's busy fraction says when *some* env was stepping; this says
+    how much of the workers' capacity was used (first-ready batching keeps it high).
+    """
+    busy = self._workers_busy_s()
+    if busy is None:
+      return None
+    t0, b0 = max((m for m in self._worker_marks if m[0] <= since), key=lambda m: m[0])
+    span = self.clock.elapsed() - t0
+    return (busy - b0) / (self.env.num_workers * span) if span > 0 else 0.0
+
   def metrics(self, since: float | None = None) -> dict[str, float]:
     """Stage busy/idle fractions, staleness, queue and rollout counters."""
     out = dict(self.clock.fractions() if since is None else self.clock.window(since))
+    workers = self.workers_busy(since or 0.0)
+    if workers is not None:
+      out["env_workers_busy"] = workers
     out.update(self.staleness.summary("staleness"))
     out.update(self.queue.summary())
     out.update({f"rollout_{k}": float(v) for k, v in self.rollout.timing.items()})

@@ -303,7 +303,9 @@ class Rollout:
     """One first-ready batch: ``recv(b_max, t_max)``, finish, act, ``send``.
 
     The env workers step in parallel with this thread; the ``env`` stage is busy
-    while any chunk is in flight (recorded from the pool's send/recv times).
+    while any chunk is in flight (recorded at the pool's send/recv calls). How much
+    of the workers' capacity that used is the pool's ``stats.worker_busy_s``
+    (the pipeline's ``env_workers_busy``).
     Envs the pacer does not let start a segment yet are parked (not stepped) and
     join a later batch; the rest of the batch goes on. With every env parked, the
     call returns (so the caller hands on the segments just finished) and the next
@@ -314,7 +316,7 @@ class Rollout:
       self._parked_obs = self.env.reset(self.seed)
       self._started_ready = True
       self.compile_buckets(self._parked_obs)
-      self._env_busy_since = time.perf_counter()
+      self._env_busy_since = None  # Set at the first send.
     ids, obs = self._parked_ids, self._parked_obs
     nothing_in_flight = not self._in_flight  # Only the pacer can unblock the parked envs.
     if self._in_flight:
@@ -324,8 +326,10 @@ class Rollout:
       self.timing["recv_wait_s"] += t1 - t0
       self._in_flight -= len(got_ids)
       self._finish(got_ids, result)
-      if self.clock is not None:  # Env workers were stepping since the last send.
+      if self.clock is not None:  # Some env was stepping since _env_busy_since.
         self.clock.add("env", self._env_busy_since, t1)
+      # Envs still in flight keep stepping while this batch is inferred and sent.
+      self._env_busy_since = t1 if self._in_flight else None
       if ids.size:
         ids = np.concatenate([ids, got_ids])
         obs = protocol.concat_observations([obs, result.obs])
@@ -338,7 +342,8 @@ class Rollout:
       actions = self._act(ids[rows], obs.take(rows), paced=version)
       self.env.send(actions, ids[rows])
       self._in_flight += rows.size
-    self._env_busy_since = time.perf_counter()
+    if self._env_busy_since is None and self._in_flight:
+      self._env_busy_since = time.perf_counter()
 
   def in_flight(self) -> tuple[int, int]:
     return self.builder.in_flight()
