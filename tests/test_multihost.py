@@ -129,7 +129,9 @@ def test_two_process_async_run_trains_checkpoints_and_resumes(tmp_path):
     records = [json.loads(line) for line in f]
   train = [r for r in records if r["phase"] == "train"]
   assert len(train) == a["iterations"]
-  assert train[-1]["learner_busy"] > 0 and train[-1]["broadcast_busy"] > 0
+  # (A copy lands asynchronously, maybe after its update's record: look over the run.)
+  assert min(r["learner_busy"] for r in train) > 0
+  assert max(r["broadcast_busy"] for r in train) > 0
   params, _ = checkpoint_lib.load_policy_params(os.path.join(workdir, "export"))
   assert np.all(np.isfinite(np.asarray(params["rl"]["value_out"]["kernel"])))
 
