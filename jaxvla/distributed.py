@@ -10,8 +10,8 @@ needs and nothing else:
   Open MPI, ...). Must run before anything touches a JAX backend.
 * :func:`to_global`: host-local NumPy data (this process's rows) -> global
   ``jax.Array``s on the learner mesh (``jax.make_array_from_process_local_data``).
-* :func:`local_replica`: a replicated global array -> this process's copy on one
-  of its devices (what its rollout devices can be fed from).
+* :func:`local_replica`: global arrays (gathered on the learner mesh) -> this
+  process's copy on one of its devices (what its rollout and evaluation use).
 * :func:`sum_over_hosts`, :func:`broadcast_from_primary`: small host values
   (counters, flags, evaluation results) made equal on every process, so every
   process takes the same decisions (stop, evaluate, save) at the same update.
@@ -35,6 +35,8 @@ import jax
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
+
+from jaxvla import sharding
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +149,23 @@ def device_put(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(place, tree, shardings)
 
 
-def local_replica(tree: Any) -> Any:
-  """Replicated global arrays -> single-device arrays on one of this process's devices.
+def local_replica(tree: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
+  """Global arrays -> their values as single-device arrays on one of this process's devices.
+
+  Args:
+    tree: global arrays; replicated ones, unless ``mesh`` is given.
+    mesh: gather ``tree`` on this (the learner's) mesh to a replicated layout
+      first (a collective: every process calls it).
+
+  Single process: ``tree`` unchanged (nothing gathered).
 
   Raises:
-    ValueError: a leaf is not fully replicated (gather it first).
+    ValueError: a leaf is not fully replicated (and no ``mesh`` to gather on).
   """
   if not multi_process():
     return tree
+  if mesh is not None:
+    tree = sharding.gather(tree, mesh)
 
   def one(x):
     if not isinstance(x, jax.Array) or x.is_fully_addressable:

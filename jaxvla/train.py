@@ -109,8 +109,8 @@ def _eval_policy_name(config) -> str:
 
 def _evaluate(config, s: Setup, params, rng) -> dict[str, float]:
   """Evaluation on fixed-seed episodes; every process calls it, process 0 plays them."""
-  if distributed.multi_process():  # (collectives: the gather and the broadcast)
-    params = distributed.local_replica(sharding_lib.gather(params, s.learner.mesh))
+  # (Multi-process: collectives, the gather here and the broadcast below.)
+  params = distributed.local_replica(params, s.learner.mesh)
   if s.eval_env is None:
     result = dict.fromkeys(collector_lib.EVAL_KEYS, 0.0)
   else:  # The same episodes every time (fixed seed) so evaluations compare paired.
@@ -149,7 +149,7 @@ def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
     batch = {k: v[idx] for k, v in data["batch"].items()}
     state, loss = s.learner.bc_step(state, batch, data["actions"][idx])
     losses.append(loss)
-  losses = np.asarray([float(x) for x in losses])  # (replicated scalars: host values)
+  losses = np.asarray(jax.device_get(losses))
   # Demonstration counts summed over processes; the success rate is process 0's.
   chunks, episodes, steps = distributed.sum_over_hosts(
       np.asarray([n, data["episodes"], data["env_steps"]], np.int64))

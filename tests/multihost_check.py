@@ -108,16 +108,13 @@ def main() -> None:
   bc_state, bc_loss = learner.bc_step(
       place(learner_lib.init_state(params, learner.bc_tx, jax.random.PRNGKey(2))),
       rows(bc_batch, mine), bc_actions[mine])
-  out.update(_flat("bc_params", distributed.local_replica(
-      sharding.gather(bc_state.params, learner.mesh) if learner.mesh else bc_state.params)))
+  out.update(_flat("bc_params", distributed.local_replica(bc_state.params, learner.mesh)))
   out["bc_loss"] = np.asarray(float(bc_loss))
 
   ppo_state, metrics = learner.ppo_update(
       place(learner_lib.init_state(params, learner.ppo_tx, jax.random.PRNGKey(3))),
       cols(traj, mine))
-  ppo_params = sharding.gather(ppo_state.params, learner.mesh) if learner.mesh else \
-      ppo_state.params
-  out.update(_flat("ppo_params", distributed.local_replica(ppo_params)))
+  out.update(_flat("ppo_params", distributed.local_replica(ppo_state.params, learner.mesh)))
   out.update({f"ppo_metric_{k}": np.asarray(float(v)) for k, v in metrics.items()})
 
   state = place(learner_lib.init_state(params, learner.ppo_tx, jax.random.PRNGKey(3)))
@@ -127,8 +124,7 @@ def main() -> None:
     acc = learner.accumulate(acc, learner.micro_grads(state.params, cols(traj, micro_cols[j]),
                                                       local_chunks))
   state, metrics = learner.apply(state, acc)
-  streamed = sharding.gather(state.params, learner.mesh) if learner.mesh else state.params
-  out.update(_flat("stream_params", distributed.local_replica(streamed)))
+  out.update(_flat("stream_params", distributed.local_replica(state.params, learner.mesh)))
   out.update({f"stream_metric_{k}": np.asarray(float(v)) for k, v in metrics.items()})
   out["step"] = np.asarray(int(state.step))
 

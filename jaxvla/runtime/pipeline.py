@@ -44,6 +44,7 @@ the end of the current update) are decided alike everywhere.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import logging
@@ -56,7 +57,6 @@ import ml_collections
 import numpy as np
 
 from jaxvla import distributed
-from jaxvla import sharding as sharding_lib
 from jaxvla.learner import grpo_update as grpo_update_lib
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
@@ -191,7 +191,8 @@ class Pipeline:
     # Summed over every process at each update (this process's own counts when alone).
     self.hosts_rollout_env_steps = 0
     self.hosts_dropped_env_steps = 0
-    self._worker_marks = [(0.0, 0.0)]  # (clock seconds, pool worker-busy seconds) per update.
+    # Per update, in time order: clock seconds and the pool's worker-busy seconds then.
+    self._mark_times, self._mark_busy = [0.0], [0.0]
 
   # ------------------------------------------------------------------ params --
   def _colocated_params(self):
@@ -209,8 +210,8 @@ class Pipeline:
     if self.server is None:
       self._state_for_rollout = state
       if self.multi_process:  # The learner's arrays span hosts: act on this host's replica.
-        params = sharding_lib.gather(state.params, self.learner.mesh)
-        self._local_params = (distributed.local_replica(params), int(state.step))
+        self._local_params = (distributed.local_replica(state.params, self.learner.mesh),
+                              int(state.step))
     else:
       self.server.publish(state.params, int(state.step), wait=wait)
 
@@ -357,8 +358,10 @@ class Pipeline:
             np.asarray([steps, dropped, rollout, self._stop_requested], np.int64)))
         self.hosts_rollout_env_steps += rollout
         self.hosts_dropped_env_steps += dropped
-        if self._workers_busy_s() is not None:
-          self._worker_marks.append((self.clock.elapsed(), self._workers_busy_s()))
+        busy = self._workers_busy_s()
+        if busy is not None:
+          self._mark_times.append(self.clock.elapsed())
+          self._mark_busy.append(busy)
         env_steps += steps + dropped
         on_update(UpdateInfo(state=state, metrics=metrics, env_steps=steps,
                              dropped_env_steps=dropped))
@@ -417,7 +420,8 @@ class Pipeline:
     busy = self._workers_busy_s()
     if busy is None:
       return None
-    t0, b0 = max((m for m in self._worker_marks if m[0] <= since), key=lambda m: m[0])
+    mark = max(bisect.bisect_right(self._mark_times, since) - 1, 0)
+    t0, b0 = self._mark_times[mark], self._mark_busy[mark]
     span = self.clock.elapsed() - t0
     return (busy - b0) / (self.env.num_workers * span) if span > 0 else 0.0
 
