@@ -10,6 +10,8 @@ Variants (``--config=configs/default.py:VARIANT``):
 
 import ml_collections
 
+from jaxvla import sharding
+
 VARIANTS = ("", "smoke", "bc_only", "bench")
 
 
@@ -74,19 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.fsdp = -1  # Learner mesh: FSDP axis size (-1: every device data and tensor leave).
   c.mesh.tensor = 1  # Learner mesh: tensor-parallel axis size (heads / MLP hidden).
   c.mesh.rollout_devices = ""  # Rollout devices: '' the learner's, 'N' the last N, '0.25', '6,7'.
-  c.mesh.rules = (  # Logical axis -> mesh axes (model code names logical axes only).
-      ("batch", ("data", "fsdp")),
-      ("embed", "fsdp"),
-      ("vocab", "tensor"),
-      ("mlp", "tensor"),
-      ("heads", "tensor"),
-      ("kv_heads", None),
-      ("head_dim", None),
-      ("layers", None),
-      ("action", None),
-      ("patch", None),
-      ("channels", None),
-  )
+  c.mesh.rules = sharding.DEFAULT_RULES  # Logical axis -> mesh axes (see jaxvla/sharding.py).
 
   c.bc = ml_collections.ConfigDict()
   c.bc.num_episodes = 3000  # Scripted-expert episodes collected for the warm start.
@@ -130,7 +120,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_iters = 10  # Evaluate every N RL iterations (and at the start and end).
-  c.eval.num_episodes = 128  # Episodes per evaluation (eval_sampler, fresh seeds).
+  c.eval.num_episodes = 128  # Episodes per evaluation (eval_sampler, one fixed seed).
 
   c.log = ml_collections.ConfigDict()
   c.log.progress = True  # Show a progress bar on stderr.

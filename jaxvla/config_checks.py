@@ -1,9 +1,21 @@
-"""Checks of a whole config before any work starts; each error names the offending key."""
+"""Checks of a whole config before any work starts; each error names the offending key.
+
+Rules that belong to one module are checked by that module's own function, which
+this file calls (one owner per rule): mesh sizes and rules
+(:func:`jaxvla.sharding.check_mesh_config`), GRPO groups
+(:func:`jaxvla.envs.protocol.group_layout`), the GRPO loss normaliser
+(:func:`jaxvla.algorithms.grpo.check_normalizer`), the pipeline mode
+(:meth:`jaxvla.runtime.pipeline.Levels.from_config`) and ``config.distributed``
+(:func:`jaxvla.distributed.validate`). The rest are relations between fields.
+"""
 
 import ml_collections
 
 from jaxvla import distributed, sharding
+from jaxvla.algorithms import grpo, ppo
+from jaxvla.envs import protocol
 from jaxvla.models import denoise
+from jaxvla.runtime import pipeline
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -47,26 +59,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(not c.model.init_checkpoint or c.model.name in ("pi0", "pi05"), "model.init_checkpoint",
            f"openpi checkpoints hold pi0 / pi0.5 trees; model.name={c.model.name!r} cannot load "
            f"{c.model.init_checkpoint!r}")
-  group = c.env.get("group_size", 1)
-  _require(isinstance(group, int) and group >= 1 and c.num_envs % group == 0, "env.group_size",
-           f"must be >= 1 and divide num_envs={c.num_envs}, got {group!r}")
-  _validate_mesh(c)
+  protocol.group_layout(c.env.group_size, c.num_envs)
+  sharding.check_mesh_config(c.mesh)
   _validate_pipeline(c)
   distributed.validate(c.distributed)
-
-
-def _validate_mesh(c: ml_collections.ConfigDict) -> None:
-  """``config.mesh``: sizes >= 1 or -1 (at most one -1) and well-formed rules."""
-  free = []
-  for name in sharding.MESH_AXES:
-    value = c.mesh[name]
-    _require(isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or value == -1),
-             f"mesh.{name}", f"must be a size >= 1 or -1 (the remaining devices), got {value!r}")
-    if value == -1:
-      free.append(name)
-  _require(len(free) <= 1, "mesh",
-           f"at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1, got -1 for {free}")
-  sharding.parse_rules(c.mesh.rules)  # Raises naming config.mesh.rules[i].
 
 
 def validate_batch_shards(c: ml_collections.ConfigDict, batch_shards: int,
@@ -98,10 +94,8 @@ def validate_batch_shards(c: ml_collections.ConfigDict, batch_shards: int,
 
 def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
   """``config.pipeline`` and the ``ppo`` fields it interacts with."""
-  from jaxvla.algorithms import ppo  # pylint: disable=import-outside-toplevel
   p = c.pipeline
-  modes = ("sync_colocated", "sync_disaggregated", "async")
-  _require(p.mode in modes, "pipeline.mode", f"must be one of {modes}, got {p.mode!r}")
+  pipeline.Levels.from_config(p)
   _require(p.staleness_control in ("drop", "pace"), "pipeline.staleness_control",
            f"must be 'drop' or 'pace', got {p.staleness_control!r}")
   _require(p.max_staleness >= 0, "pipeline.max_staleness", f"must be >= 0, got {p.max_staleness}")
@@ -124,14 +118,9 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
   _require(c.ppo.algorithm in ("ppo", "grpo"), "ppo.algorithm",
            f"must be 'ppo' or 'grpo', got {c.ppo.algorithm!r}")
   if c.ppo.algorithm == "grpo":
-    from jaxvla.algorithms import grpo  # pylint: disable=import-outside-toplevel
     g = c.env.group_size
     _require(g >= 2, "env.group_size", f"GRPO compares G >= 2 episodes per group, got {g}")
-    _require(c.ppo.loss_normalizer in grpo.NORMALIZERS, "ppo.loss_normalizer",
-             f"must be one of {grpo.NORMALIZERS}, got {c.ppo.loss_normalizer!r}")
-    _require(not (on and p.streamer) or c.ppo.loss_normalizer != "chunks",
-             "ppo.loss_normalizer", "the streamer needs per-episode weights known in advance: "
-             "'trajectory' or 'constant', not 'chunks'")
+    grpo.check_normalizer(c.ppo.loss_normalizer, streamed=on and p.streamer)
     groups = c.num_envs // g
     _require(groups % c.ppo.num_minibatches == 0 if (on and p.streamer)
              else c.num_envs % c.ppo.num_minibatches == 0, "ppo.num_minibatches",

@@ -52,13 +52,33 @@ BATCH_AXES = ("data", "fsdp")  # The mesh axes of the leading batch dimension by
 Rules = Sequence[tuple[str, Any]]
 LogicalAxes = Sequence[str | None]
 
+# Logical axis -> mesh axes: the default of config.mesh.rules (model code names logical
+# axes only). Batch and embedding dims FSDP-sharded, heads and MLP tensor-parallel.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", None),
+    ("head_dim", None),
+    ("layers", None),
+    ("action", None),
+    ("patch", None),
+    ("channels", None),
+)
+
 
 # ---------------------------------------------------------------------- mesh --
-def resolve_mesh_shape(mesh_config: Mapping, num_devices: int) -> tuple[int, int, int]:
-  """``(data, fsdp, tensor)`` sizes from ``config.mesh`` for ``num_devices`` devices.
+def check_mesh_config(mesh_config: Mapping) -> dict[str, int]:
+  """The ``config.mesh`` sizes and rules checked, before any device is known.
 
-  One size may be ``-1``: it takes the devices the others leave. Errors name the
-  ``config.mesh.*`` keys.
+  Returns:
+    ``{axis: size}`` for :data:`MESH_AXES` (``-1``: the remaining devices).
+
+  Raises:
+    ValueError naming the ``config.mesh.*`` key: a size that is not an int >= 1
+    or -1, more than one -1, or malformed rules (:func:`parse_rules`).
   """
   sizes = {}
   for name in MESH_AXES:
@@ -72,6 +92,19 @@ def resolve_mesh_shape(mesh_config: Mapping, num_devices: int) -> tuple[int, int
   if len(free) > 1:
     raise ValueError(f"at most one of config.mesh.{{data,fsdp,tensor}} may be -1, got "
                      f"{', '.join(f'config.mesh.{n}=-1' for n in free)}")
+  if "rules" in mesh_config:
+    parse_rules(mesh_config["rules"])
+  return sizes
+
+
+def resolve_mesh_shape(mesh_config: Mapping, num_devices: int) -> tuple[int, int, int]:
+  """``(data, fsdp, tensor)`` sizes from ``config.mesh`` for ``num_devices`` devices.
+
+  One size may be ``-1``: it takes the devices the others leave. Errors name the
+  ``config.mesh.*`` keys.
+  """
+  sizes = check_mesh_config(mesh_config)
+  free = [name for name in MESH_AXES if sizes[name] == -1]
   fixed = math.prod(v for v in sizes.values() if v != -1)
   if free:
     if num_devices % fixed:
@@ -99,6 +132,12 @@ def make_mesh(mesh_config: Mapping, devices: Sequence[jax.Device] | None = None
   shape = resolve_mesh_shape(mesh_config, len(devices))
   return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
                        devices=devices)
+
+
+def single_device_mesh(device: jax.Device | None = None) -> jax.sharding.Mesh:
+  """A ``1 x 1 x 1`` mesh on ``device`` (default: the first device), for unsharded runs."""
+  return make_mesh(dict(data=1, fsdp=1, tensor=1),
+                   [jax.devices()[0] if device is None else device])
 
 
 def num_batch_shards(mesh: jax.sharding.Mesh, rules: Rules | None = None) -> int:

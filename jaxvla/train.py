@@ -1,7 +1,10 @@
-"""The synchronous training loop: behaviour-cloning warm start, then collect -> PPO -> repeat.
+"""The whole job: behaviour-cloning warm start, then the RL phase, evaluations,
+checkpoints, the export and the summary.
 
-``train_and_evaluate(config, workdir)`` is the whole job; ``jaxvla.main`` only
-parses flags. Env steps counted in ``env_steps`` are RL rollout steps (the run's
+``train_and_evaluate(config, workdir)`` is the job; ``jaxvla.main`` only parses
+flags. The RL phase runs in :class:`jaxvla.runtime.pipeline.Pipeline` in any
+mode (synchronous or asynchronous); this module reads its metrics after every
+update. Env steps counted in ``env_steps`` are RL rollout steps (the run's
 budget, ``config.total_env_steps``); demonstration and evaluation steps are
 reported separately. The learner runs on a ``('data', 'fsdp', 'tensor')`` mesh
 of this host's devices (``config.mesh``; one device on a plain CPU run).
@@ -37,8 +40,8 @@ from jaxvla import config_checks, distributed, metrics as metrics_lib, sharding 
 from jaxvla.data import demos
 from jaxvla.envs import make_env, make_vec_env
 from jaxvla.learner import learner as learner_lib
-from jaxvla.models import openpi_import, policy as policy_lib
-from jaxvla.rollout import collector as collector_lib
+from jaxvla.models import contract, openpi_import, policy as policy_lib
+from jaxvla.rollout import evaluate as evaluate_lib
 from jaxvla.runtime import pipeline as pipeline_lib
 
 log = logging.getLogger(__name__)
@@ -61,7 +64,7 @@ class RunState:
 @dataclasses.dataclass
 class Setup:
   """Objects built once per run."""
-  policy: policy_lib.Policy
+  policy: contract.Policy
   learner: learner_lib.Learner
   act_train: object
   act_eval: object
@@ -112,9 +115,9 @@ def _evaluate(config, s: Setup, params, rng) -> dict[str, float]:
   # (Multi-process: collectives, the gather here and the broadcast below.)
   params = distributed.local_replica(params, s.learner.mesh)
   if s.eval_env is None:
-    result = dict.fromkeys(collector_lib.EVAL_KEYS, 0.0)
+    result = dict.fromkeys(evaluate_lib.EVAL_KEYS, 0.0)
   else:  # The same episodes every time (fixed seed) so evaluations compare paired.
-    result = collector_lib.evaluate(s.eval_env, s.policy, s.act_eval, params, rng,
+    result = evaluate_lib.evaluate(s.eval_env, s.policy, s.act_eval, params, rng,
                                     seed=config.seed + 12345, chunk_len=config.model.chunk_len)
   return distributed.broadcast_from_primary(result)
 
@@ -258,7 +261,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                   config.log.progress and distributed.is_primary())
   last_eval = run.warm_start_eval
   rl_start, rl_start_steps = time.perf_counter(), run.env_steps
-  last = dict(state=state, t=time.perf_counter(), clock=0.0)
+  last = dict(state=state, t=time.perf_counter())
 
   def on_update(info: pipeline_lib.UpdateInfo) -> None:
     nonlocal last_eval
@@ -267,12 +270,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     learner_s, last["t"] = now - last["t"], now
     run.iteration += 1
     run.env_steps += info.env_steps + info.dropped_env_steps
-    sps = pipe.total_rollout_env_steps() / (now - rl_start)
-    episodes = pipe.rollout.episodes.summary()
-    window = pipe.metrics(since=last["clock"])
-    last["clock"] = pipe.clock.elapsed()
+    sps = pipe.totals()["rollout_env_steps"] / (now - rl_start)
+    window = pipe.window_metrics()
     s.writer.write(run.env_steps, "train", dict(
-        info.metrics, **episodes, env_steps_per_s=sps, iteration_s=learner_s,
+        info.metrics, env_steps_per_s=sps, iteration_s=learner_s,
         dropped_env_steps=info.dropped_env_steps, **window))
     done = run.env_steps >= config.total_env_steps
     if run.iteration % config.eval.every_iters == 0 or done:
@@ -280,7 +281,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       s.writer.write(run.env_steps, "eval", last_eval)
     if run.iteration % config.checkpoint.every_iters == 0 or done:
       _save(s, run, state, pipe)
-    progress.update(run.env_steps, sps=sps, success=episodes.get("success_rate", 0.0),
+    progress.update(run.env_steps, sps=sps, success=window.get("success_rate", 0.0),
                     eval=last_eval["success_rate"], loss=info.metrics["loss"])
 
   with _stop_on_sigint(pipe):
@@ -301,7 +302,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   pipeline_metrics = pipe.metrics()
   s.writer.write(run.env_steps, "pipeline", pipeline_metrics)
   if config.pipeline.timeline and distributed.is_primary():
-    pipe.clock.to_json(os.path.join(workdir, "timeline.json"))
+    pipe.save_timeline(os.path.join(workdir, "timeline.json"))
   export_dir = checkpoint_lib.export_policy(os.path.join(workdir, "export"), state.params,
                                             config.to_json_best_effort(),
                                             write_config=distributed.is_primary())
@@ -315,10 +316,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       success_rate_source=(f"evaluation of {int(last_eval['num_episodes'])} fixed-seed episodes "
                            f"with {_eval_policy_name(config)}"),
       warm_start_success_rate=run.warm_start_success_rate,
-      train_success_rate_recent=pipe.rollout.episodes.summary().get("success_rate"),
+      train_success_rate_recent=pipeline_metrics.get("success_rate"),
       iterations=run.iteration, policy_version=int(state.step), export_dir=export_dir,
-      pipeline=pipe.mode_name, rollout_env_steps=pipe.total_rollout_env_steps(),
-      dropped_env_steps=pipe.total_dropped_env_steps(), num_processes=jax.process_count(),
+      pipeline=pipe.mode_name, **pipe.totals(), num_processes=jax.process_count(),
       staleness_mean=pipeline_metrics.get("staleness_mean", 0.0),
       discarded_on_resume=discarded if resumed_at else None,
       interrupted=pipe.interrupted)

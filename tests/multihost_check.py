@@ -9,7 +9,7 @@ spans processes and the params are FSDP-sharded across them).
 Every process builds the same inputs (an 8-env BC batch and an 8-env rollout).
 The reference learner sees all of them; in the multi-process run process ``i``
 passes only its rows (``jaxvla.distributed.to_global`` assembles the global
-batch). Computed, in this order: one ``bc_step``; one ``ppo_update``; one
+batch). Computed, in this order: one ``bc_step``; one ``update``; one
 streamed update (``micro_grads`` of two micro-batches, ``accumulate``,
 ``apply``), where the multi-process micro-batch ``j`` is every process's ``j``-th
 slice of its envs and the reference uses the same columns; then the params
@@ -37,7 +37,7 @@ from jaxvla import distributed, sharding  # noqa: E402
 from jaxvla.envs import builtin  # noqa: E402
 from jaxvla.learner import learner as learner_lib  # noqa: E402
 from jaxvla.models import policy as policy_lib  # noqa: E402
-from jaxvla.rollout import collector as collector_lib  # noqa: E402
+from jaxvla.rollout import rollout as rollout_lib  # noqa: E402
 
 NUM_ENVS, ROLLOUT_LEN, MICRO = 8, 2, 2  # MICRO: micro-batches of the streamed update.
 
@@ -79,9 +79,9 @@ def main() -> None:
   bc_batch = pol.prepare(env.observe())
   bc_actions = np.random.default_rng(0).uniform(-1, 1, (NUM_ENVS, c.model.chunk_len, 2)
                                                 ).astype(np.float32)
-  collector = collector_lib.Collector(env, pol, jax.jit(functools.partial(pol.act, mode="train")),
-                                      jax.jit(pol.value), seed=0)
-  traj = jax.device_get(collector.collect(params, ROLLOUT_LEN, jax.random.PRNGKey(1)))
+  traj = jax.device_get(rollout_lib.collect_segments(
+      env, pol, jax.jit(functools.partial(pol.act, mode="train")), jax.jit(pol.value), params,
+      ROLLOUT_LEN, jax.random.PRNGKey(1), seed=0))
   host = lambda tree: jax.tree.map(np.array, jax.device_get(tree))
   params = host(params)
 
@@ -101,8 +101,7 @@ def main() -> None:
   rows = lambda tree, idx: jax.tree.map(lambda x: x[idx], tree)
   cols = lambda t, idx: jax.tree.map(lambda x: x[idx] if x.ndim == 1 else x[:, idx], t)
 
-  def place(state):
-    return learner.shard_state(state) if learner.mesh is not None else jax.device_put(state)
+  place = learner.shard_state
 
   out = {}
   bc_state, bc_loss = learner.bc_step(
@@ -111,7 +110,7 @@ def main() -> None:
   out.update(_flat("bc_params", distributed.local_replica(bc_state.params, learner.mesh)))
   out["bc_loss"] = np.asarray(float(bc_loss))
 
-  ppo_state, metrics = learner.ppo_update(
+  ppo_state, metrics = learner.update(
       place(learner_lib.init_state(params, learner.ppo_tx, jax.random.PRNGKey(3))),
       cols(traj, mine))
   out.update(_flat("ppo_params", distributed.local_replica(ppo_state.params, learner.mesh)))
@@ -119,7 +118,7 @@ def main() -> None:
 
   state = place(learner_lib.init_state(params, learner.ppo_tx, jax.random.PRNGKey(3)))
   acc = None
-  local_chunks = ROLLOUT_LEN * NUM_ENVS // procs if learner.mesh else ROLLOUT_LEN * NUM_ENVS
+  local_chunks = ROLLOUT_LEN * NUM_ENVS // procs
   for j in range(MICRO):
     acc = learner.accumulate(acc, learner.micro_grads(state.params, cols(traj, micro_cols[j]),
                                                       local_chunks))

@@ -4,7 +4,7 @@
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before jax is imported
 (``--xla_backend_optimization_level=0`` as well saves compile time). For each mesh
 it checks that parameters are really sharded and that one sharded ``bc_step`` and
-one sharded ``ppo_update`` match the unsharded learner on one device (loss,
+one sharded ``update`` match the unsharded learner on one device (loss,
 metrics, new params and optimizer state, rtol = atol = 1e-5). Prints one
 ``OK ...`` line per mesh and ``ALL OK`` at the end; any mismatch raises.
 """
@@ -28,7 +28,7 @@ from jaxvla import sharding  # noqa: E402
 from jaxvla.envs import builtin  # noqa: E402
 from jaxvla.learner import learner as learner_lib  # noqa: E402
 from jaxvla.models import policy as policy_lib  # noqa: E402
-from jaxvla.rollout import collector as collector_lib  # noqa: E402
+from jaxvla.rollout import rollout as rollout_lib  # noqa: E402
 
 RTOL = ATOL = 1e-5
 
@@ -77,15 +77,15 @@ def main(meshes: list[tuple[int, int, int]]) -> None:
   bc_batch = pol.prepare(env.observe())
   bc_actions = np.random.default_rng(0).uniform(-1, 1, (c.num_envs, c.model.chunk_len, 2)
                                                 ).astype(np.float32)
-  collector = collector_lib.Collector(env, pol, jax.jit(functools.partial(pol.act, mode="train")),
-                                      jax.jit(pol.value), seed=0)
-  traj = collector.collect(params, c.rollout_len, jax.random.PRNGKey(1))
+  traj = rollout_lib.collect_segments(
+      env, pol, jax.jit(functools.partial(pol.act, mode="train")), jax.jit(pol.value), params,
+      c.rollout_len, jax.random.PRNGKey(1), seed=0)
   bc_state0 = _copy(learner_lib.init_state(params, plain.bc_tx, jax.random.PRNGKey(2)))
   ppo_state0 = _copy(learner_lib.init_state(params, plain.ppo_tx, jax.random.PRNGKey(3)))
 
   # Reference: unsharded, one device.
   ref_bc_state, ref_bc_loss = plain.bc_step(jax.device_put(bc_state0), bc_batch, bc_actions)
-  ref_ppo_state, ref_metrics = plain.ppo_update(jax.device_put(ppo_state0), traj)
+  ref_ppo_state, ref_metrics = plain.update(jax.device_put(ppo_state0), traj)
   print(f"reference done {time.perf_counter() - t0:.1f}s", flush=True)
 
   for shape in meshes:
@@ -110,7 +110,7 @@ def main(meshes: list[tuple[int, int, int]]) -> None:
     new_bc_state, bc_loss = lrn.bc_step(bc_state, bc_batch, bc_actions)
     _close("bc_loss", bc_loss, ref_bc_loss)
     _close("bc_state", new_bc_state, ref_bc_state)
-    new_ppo_state, metrics = lrn.ppo_update(lrn.shard_state(ppo_state0), traj)
+    new_ppo_state, metrics = lrn.update(lrn.shard_state(ppo_state0), traj)
     _close("ppo_metrics", metrics, ref_metrics)
     _close("ppo_state", new_ppo_state, ref_ppo_state)
     leaf = new_ppo_state.params["PaliGemma"]["llm"]["layers"]["mlp"]["linear"]

@@ -10,7 +10,7 @@ import pytest
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import action_token_vla, policy as policy_lib
-from jaxvla.rollout import collector as collector_lib
+from jaxvla.rollout import rollout as rollout_lib
 
 _CACHE = {}
 
@@ -149,15 +149,15 @@ def test_ppo_update_changes_params(smoke_config):
   smoke_config.ppo.num_epochs = 1
   pol = s["pol"]
   env = builtin.make(smoke_config.env, 4, 1)
-  collector = collector_lib.Collector(
-      env, pol, lambda p, b, k: s["act"](p, b, k, mode="train"), jax.jit(pol.value), seed=0)
-  traj = collector.collect(s["params"], 2, jax.random.PRNGKey(0))
+  traj = rollout_lib.collect_segments(
+      env, pol, lambda p, b, k: s["act"](p, b, k, mode="train"), jax.jit(pol.value),
+      s["params"], 2, jax.random.PRNGKey(0), seed=0)
   assert traj.chain.shape == (2, 4, 1, pol.chunk_len, 2)
   before = jax.tree.map(np.array, s["params"])
   lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
   state = learner_lib.init_state(jax.tree.map(np.array, s["params"]), lrn.ppo_tx,
                                  jax.random.PRNGKey(0))
-  state, metrics = lrn.ppo_update(state, traj)
+  state, metrics = lrn.update(state, traj)
   assert all(np.isfinite(float(v)) for v in jax.tree.leaves(metrics))
   # The first minibatch evaluates the behaviour params: ratio 1, so approx_kl ~ 0 on average.
   assert float(metrics["approx_kl"]) < 0.1

@@ -10,12 +10,13 @@ import optax
 import pytest
 
 from configs import default
+from jaxvla import types
 from jaxvla.envs import builtin, protocol
-from jaxvla.learner import grpo_update as grpo_update_lib
 from jaxvla.learner import learner as learner_lib
+from jaxvla.models import contract
 from jaxvla.models import policy as policy_lib
-from jaxvla.runtime import episodes as episodes_lib
-from jaxvla.runtime import rollout as rollout_lib
+from jaxvla.rollout import episodes as episodes_lib
+from jaxvla.rollout import rollout as rollout_lib
 
 NUM_ENVS, GROUP_SIZE = 4, 2
 
@@ -26,8 +27,8 @@ def _act(builder, env_ids, step, version=0):
   env_ids = np.asarray(env_ids)
   x = (10 * env_ids + step).astype(np.float32)
   b = len(env_ids)
-  out = policy_lib.ActOutput(actions=np.zeros((b, 1, 1)), chain=x[:, None] * np.ones((b, 3)),
-                             log_prob=-x, log_prob_dims=np.zeros((b, 1, 1)),
+  out = contract.ActOutput(actions=np.zeros((b, 1, 1)), chain=x[:, None] * np.ones((b, 3)),
+                           log_prob=-x, log_prob_dims=np.zeros((b, 1, 1)),
                              value=np.zeros(b))
   builder.on_act(env_ids, {"x": x[:, None]}, out, version)
 
@@ -87,7 +88,7 @@ def test_builder_gathers_groups_whose_members_finish_apart():
   np.testing.assert_allclose(g1.episode_return, [3.0, 1.0])
   # Env 0's second episode waits for env 1's; envs 1 and 2 have one chunk open.
   assert builder.in_flight() == (3, 4)
-  cat = episodes_lib.concat_episode_batches([g0, g1])
+  cat = types.concat([g0, g1])
   assert cat.num_episodes == 4 and cat.log_prob.shape == (3, 4)
 
 
@@ -172,7 +173,7 @@ def _collect():
   items = []
   for _ in range(20):
     ro.step_all()
-    items += builder.pop_items()
+    items += ro.pop_items()
     if len(items) >= 2:
       break
   env.close()
@@ -218,10 +219,9 @@ def test_grpo_update_changes_params():
   lrn = learner_lib.Learner(pol, c.bc, c.ppo)
   state = learner_lib.init_state(jax.tree.map(np.array, params), lrn.ppo_tx,
                                  jax.random.PRNGKey(2))
-  update = grpo_update_lib.grpo_update(lrn)
-  eb = episodes_lib.concat_episode_batches([it.data for it in items[:2]])
+  eb = types.concat([it.data for it in items[:2]])
   assert np.abs(eb.advantage).max() > 0.5  # (Else there would be no gradient.)
-  new_state, metrics = update(state, eb)
+  new_state, metrics = lrn.update(state, eb)
   metrics = jax.device_get(metrics)
   assert int(new_state.step) == 1
   for k in ("loss", "policy_loss", "approx_kl", "grad_norm", "advantage_std",
@@ -233,16 +233,26 @@ def test_grpo_update_changes_params():
   assert max(jax.tree.leaves(moved)) > 0
   with pytest.raises(ValueError, match="ppo.num_minibatches=3"):
     bad = _config(num_minibatches=3)
-    grpo_update_lib.grpo_update(learner_lib.Learner(pol, c.bc, bad.ppo))(new_state, eb)
+    learner_lib.Learner(pol, c.bc, bad.ppo).update(new_state, eb)
 
 
 class _LinearGaussian:
   """A cheap stand-in policy for the streamed-vs-update checks (they do not depend on
   the network): executed actions ``~ N(tanh(state W), exp(log_std)^2)``."""
 
-  def init(self, state_dim, action_size):
-    return dict(w=0.3 * jax.random.normal(jax.random.PRNGKey(7), (state_dim, action_size)),
-                log_std=jnp.full((action_size,), -0.5))
+  def __init__(self, state_dim, action_size):
+    self.state_dim, self.action_size = state_dim, action_size
+
+  def init(self, rng=None):
+    del rng
+    w = 0.3 * jax.random.normal(jax.random.PRNGKey(7), (self.state_dim, self.action_size))
+    return dict(w=w, log_std=jnp.full((self.action_size,), -0.5))
+
+  def abstract_params(self):
+    return jax.eval_shape(self.init)
+
+  def logical_axes(self):
+    return dict(w=(None, None), log_std=(None,))
 
   def evaluate(self, params, batch, chain):
     x = chain[:, -1].reshape(chain.shape[0], -1)  # [N, H * A] executed chunk.
@@ -250,7 +260,7 @@ class _LinearGaussian:
     std = jnp.exp(params["log_std"])
     logp = jax.scipy.stats.norm.logpdf(x, mean, std)
     entropy = jnp.sum(params["log_std"] + 0.5 * jnp.log(2 * jnp.pi * jnp.e)) * jnp.ones(len(x))
-    return policy_lib.Evaluation(log_prob=logp.sum(-1), log_prob_dims=logp,
+    return contract.Evaluation(log_prob=logp.sum(-1), log_prob_dims=logp,
                                  value=jnp.zeros(len(x)), entropy=entropy)
 
 
@@ -276,23 +286,22 @@ def test_streamed_grpo_equals_the_update(monkeypatch, normalizer):
   monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip: optax.chain(
       optax.clip_by_global_norm(clip), optax.adam(lr, eps=1e-3)))
   _, _, _, items, _ = _collect()
-  pol = _LinearGaussian()
   eb0 = items[0].data
-  params = pol.init(eb0.batch["state"].shape[-1], int(np.prod(eb0.chain.shape[-2:])))
+  pol = _LinearGaussian(eb0.batch["state"].shape[-1], int(np.prod(eb0.chain.shape[-2:])))
+  params = pol.init()
   groups = [_near_policy(pol, params, it.data, seed) for seed, it in enumerate(items[:2])]
   c = _config(num_epochs=1, num_minibatches=1, loss_normalizer=normalizer,
               correction="decoupled", learning_rate=1e-2)
   lrn = learner_lib.Learner(pol, c.bc, c.ppo)
   copy = lambda t: jax.tree.map(np.array, jax.device_get(t))
   state0 = copy(learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(2)))
-  eb = episodes_lib.concat_episode_batches(groups)
+  eb = types.concat(groups)
   assert np.abs(eb.advantage).max() > 0.5  # (Else there would be no gradient.)
-  ref_state, ref_metrics = grpo_update_lib.grpo_update(lrn)(jax.device_put(state0), eb)
-  micro = grpo_update_lib.grpo_micro_grads(lrn)
+  ref_state, ref_metrics = lrn.update(jax.device_put(state0), eb)
   state = jax.device_put(state0)
   acc = None
   for g in groups:
-    acc = lrn.accumulate(acc, micro(state.params, g, eb.num_episodes))
+    acc = lrn.accumulate(acc, lrn.micro_grads(state.params, g, eb.num_episodes))
   new_state, metrics = lrn.apply(state, acc)
   close = functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-6)
   jax.tree.map(close, jax.device_get(new_state.params), jax.device_get(ref_state.params))
@@ -306,7 +315,8 @@ def test_streamed_grpo_equals_the_update(monkeypatch, normalizer):
 
 
 def test_streamed_chunks_normalizer_is_an_error():
-  _, pol, _, _, _ = _collect()
+  _, pol, params, items, _ = _collect()
   c = _config(loss_normalizer="chunks")
-  with pytest.raises(ValueError, match="config.ppo.loss_normalizer='chunks'"):
-    grpo_update_lib.grpo_micro_grads(learner_lib.Learner(pol, c.bc, c.ppo))
+  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  with pytest.raises(ValueError, match="config.ppo.loss_normalizer='chunks' cannot be streamed"):
+    lrn.micro_grads(jax.device_put(params), items[0].data, items[0].data.num_episodes)

@@ -12,20 +12,20 @@ import optax
 import pytest
 
 from configs import default
-from jaxvla import train
+from jaxvla import train, types
 from jaxvla.envs import builtin, make_vec_env, protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
-from jaxvla.rollout import collector as collector_lib
-from jaxvla.runtime import params as params_lib
-from jaxvla.runtime import pipeline as pipeline_lib
+from jaxvla.rollout import pacer as pacer_lib
+from jaxvla.rollout import rollout as rollout_lib
+from jaxvla.rollout import segments as segments_lib
+from jaxvla.runtime import broadcast as broadcast_lib
 from jaxvla.runtime import queue as queue_lib
-from jaxvla.runtime import rollout as rollout_lib
 
 
 def _item(versions, steps=5):
   versions = np.asarray(versions, np.int32)
-  return queue_lib.Item(data=None, versions=versions, num_chunks=versions.size,
+  return types.Item(data=None, versions=versions, num_chunks=versions.size,
                         num_env_steps=steps * versions.size)
 
 
@@ -84,7 +84,7 @@ def test_queue_close_wakes_waiters():
 
 
 def test_pacer_bounds_started_segments_by_version():
-  pacer = queue_lib.Pacer(segments_per_update=4, max_staleness=1)
+  pacer = pacer_lib.Pacer(segments_per_update=4, max_staleness=1)
   assert pacer.start(4, version=0) == 0
   assert pacer.start(4, version=0) == 0  # (0 + 1 + 1) * 4 = 8 may start with version 0.
   started = []
@@ -101,7 +101,7 @@ def test_pacer_bounds_started_segments_by_version():
 
 
 def test_pacer_acquire_grants_what_the_limit_allows():
-  pacer = queue_lib.Pacer(segments_per_update=4, max_staleness=0)
+  pacer = pacer_lib.Pacer(segments_per_update=4, max_staleness=0)
   assert pacer.acquire(3, version=0, block=False) == (3, 0)
   assert pacer.acquire(3, version=0, block=False) == (1, 0)  # (0 + 0 + 1) * 4 = 4 in all.
   assert pacer.acquire(2, version=0, block=False) == (0, 0)
@@ -121,7 +121,7 @@ def test_pacer_acquire_grants_what_the_limit_allows():
 # ------------------------------------------------------------------- params --
 def test_param_server_copies_and_versions():
   landed = []
-  server = params_lib.ParamServer(jax.devices()[0], on_ready=lambda v, a, b: landed.append(v))
+  server = broadcast_lib.ParamServer(jax.devices()[0], on_ready=lambda v, a, b: landed.append(v))
   params = {"w": jax.numpy.ones((3,))}
   server.publish(params, 0, wait=True)
   got, version = server.latest()
@@ -138,7 +138,7 @@ def test_param_server_copies_and_versions():
 
 
 def test_param_server_cast_copy():
-  server = params_lib.ParamServer(jax.devices()[0], cast="bfloat16")
+  server = broadcast_lib.ParamServer(jax.devices()[0], cast="bfloat16")
   params = {"w": jax.numpy.full((3,), 1.00001), "step": jax.numpy.array(3, jax.numpy.int32)}
   server.publish(params, 0, wait=True)
   got, _ = server.latest()
@@ -148,7 +148,7 @@ def test_param_server_cast_copy():
   assert np.asarray(got["w"], np.float32).sum() == 3.0
   server.close()
   with pytest.raises(ValueError, match="not a floating dtype"):
-    params_lib.ParamServer(jax.devices()[0], cast="int32")
+    broadcast_lib.ParamServer(jax.devices()[0], cast="int32")
 
 
 # ----------------------------------------------------------------- segments --
@@ -169,10 +169,32 @@ def _setup(num_envs=4, **overrides):
   return c, env, pol, params, act, jax.jit(pol.value)
 
 
-def test_lockstep_segments_equal_the_collector():
-  """Lockstep rollout through the segment builder gives the Collector's trajectory."""
+def _reference_collect(env, pol, act, value, params, num_steps, rng, policy_version, seed):
+  """The plainest lockstep loop: ``num_steps`` chunks of every env -> ``Trajectory [T, B]``."""
+  obs = env.reset(seed)
+  steps, outs, results = [], [], []
+  for key in jax.random.split(rng, num_steps):
+    batch = pol.prepare(obs)
+    out = jax.device_get(act(params, batch, key))
+    result = env.step_chunk(np.asarray(out.actions))
+    steps.append(batch)
+    outs.append(out)
+    results.append(result)
+    obs = result.obs
+  stack = lambda xs: np.stack(xs)
+  return types.Trajectory(
+      batch=jax.tree.map(lambda *xs: np.stack(xs), *steps),
+      chain=stack([o.chain for o in outs]), log_prob=stack([o.log_prob for o in outs]),
+      value=stack([o.value for o in outs]), reward=stack([r.reward for r in results]),
+      done=stack([r.done for r in results]), steps=stack([r.steps for r in results]),
+      bootstrap_value=np.asarray(value(params, pol.prepare(obs))),
+      policy_version=np.full((num_steps, env.num_envs), policy_version, np.int32))
+
+
+def test_lockstep_segments_equal_a_plain_loop():
+  """Lockstep rollout through the segment builder gives a plain loop's trajectory."""
   c, env, pol, params, act, value = _setup()
-  builder = rollout_lib.SegmentBuilder(c.num_envs, c.rollout_len, 2)
+  builder = segments_lib.SegmentBuilder(c.num_envs, c.rollout_len, 2)
   keys = jax.random.split(jax.random.PRNGKey(5), c.rollout_len)
   calls = iter(range(100))
   act_keyed = lambda p, b, _: act(p, b, keys[next(calls)])
@@ -182,10 +204,9 @@ def test_lockstep_segments_equal_the_collector():
     ro.step_all()
   items = builder.pop_items()
   assert len(items) == 2 and all(it.data.log_prob.shape == (3, 2) for it in items)
-  got = pipeline_lib.concat_items(items)
-  env2 = builtin.make(c.env, c.num_envs, 0)
-  col = collector_lib.Collector(env2, pol, lambda p, b, k: act(p, b, k), value, seed=3)
-  want = col.collect(params, c.rollout_len, jax.random.PRNGKey(5), policy_version=7)
+  got = types.concat([it.data for it in items])
+  want = _reference_collect(builtin.make(c.env, c.num_envs, 0), pol, act, value, params,
+                            c.rollout_len, jax.random.PRNGKey(5), policy_version=7, seed=3)
   for name in ("chain", "log_prob", "value", "reward", "done", "steps", "bootstrap_value",
                "policy_version"):
     np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-6,
@@ -213,7 +234,7 @@ def test_first_ready_inference_sees_only_bucket_shapes():
   def recording_act(p, batch, key):
     shapes.append(batch["state"].shape[0])
     return act(p, batch, key)
-  builder = rollout_lib.SegmentBuilder(6, 2, 6)
+  builder = segments_lib.SegmentBuilder(6, 2, 6)
   ro = rollout_lib.Rollout(env, policy, recording_act, value, lambda: (params, 0), builder,
                            jax.random.PRNGKey(0), seed=0)
   try:
@@ -223,7 +244,7 @@ def test_first_ready_inference_sees_only_bucket_shapes():
     env.close()
   # Every bucket compiled (run once) up front, then only bucket shapes, one act per step.
   assert rollout_lib.bucket_sizes(6) == [1, 2, 4, 6]
-  assert shapes[:4] == [1, 2, 4, 6] and ro.timing["compile_s"] > 0, shapes
+  assert shapes[:4] == [1, 2, 4, 6] and ro.clock.counters()["rollout_compile_s"] > 0, shapes
   assert set(shapes[4:]) <= {1, 2, 4, 6}, shapes
   assert ro.env_steps > 0 and len(shapes) == 4 + 12
 
@@ -239,9 +260,9 @@ def test_first_ready_pacing_parks_envs_instead_of_deadlocking():
   env.close()
   c.env.latency_ms, c.env.latency_sigma = 2.0, 1.5
   env = make_vec_env(c.env, num_envs, 0, num_workers=4, step_timeout_s=60.0)
-  pacer = queue_lib.Pacer(segments_per_update=num_envs, max_staleness=0)
+  pacer = pacer_lib.Pacer(segments_per_update=num_envs, max_staleness=0)
   version = [0]
-  builder = rollout_lib.SegmentBuilder(num_envs, seg, 2)
+  builder = segments_lib.SegmentBuilder(num_envs, seg, 2)
   ro = rollout_lib.Rollout(env, policy, act, value, lambda: (params, version[0]), builder,
                            jax.random.PRNGKey(0), seed=0, pacer=pacer)
   updates, segments = [], [0]
@@ -267,7 +288,7 @@ def test_first_ready_pacing_parks_envs_instead_of_deadlocking():
 
 
 def test_result_without_act_is_an_error():
-  builder = rollout_lib.SegmentBuilder(2, 2, 1)
+  builder = segments_lib.SegmentBuilder(2, 2, 1)
   step = protocol.ChunkStep(obs=None, reward=np.zeros(1, np.float32),
                             terminated=np.zeros(1, bool), truncated=np.zeros(1, bool),
                             success=np.zeros(1, bool), steps=np.ones(1, np.int32), episodes=[])
@@ -289,7 +310,7 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch):
   c, env, pol, params, act, value = _setup(
       num_envs=4, **{"ppo.num_epochs": 1, "ppo.num_minibatches": 1,
                      "ppo.advantage_norm": "none", "ppo.correction": "decoupled"})
-  builder = rollout_lib.SegmentBuilder(c.num_envs, c.rollout_len, 1)
+  builder = segments_lib.SegmentBuilder(c.num_envs, c.rollout_len, 1)
   ro = rollout_lib.Rollout(env, pol, act, value, lambda: (params, 0), builder,
                            jax.random.PRNGKey(1), seed=0)
   for _ in range(c.rollout_len):
@@ -299,8 +320,8 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch):
   lrn = learner_lib.Learner(pol, c.bc, c.ppo)
   copy = lambda t: jax.tree.map(np.array, jax.device_get(t))
   state0 = copy(learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(2)))
-  ref_state, ref_metrics = lrn.ppo_update(jax.device_put(state0),
-                                          pipeline_lib.concat_items(items))
+  ref_state, ref_metrics = lrn.update(jax.device_put(state0),
+                                          types.concat([it.data for it in items]))
   state = jax.device_put(state0)
   n = sum(it.num_chunks for it in items)
   acc = None

@@ -1,12 +1,13 @@
-"""StageClock busy/idle accounting, the staleness Histogram and the timeline plot."""
+"""StageClock busy/idle accounting and counters, the staleness Histogram, the timeline plot."""
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from jaxvla.runtime import stages
+from jaxvla import plot_timeline, timing
 
 STAGES = ("env", "inference", "learner", "broadcast")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -24,7 +25,7 @@ class FakeClock:
 
 def _started(keep_intervals: int = 100_000, t: float = 100.0):
   fake = FakeClock(t)
-  clock = stages.StageClock(STAGES, keep_intervals=keep_intervals, clock=fake)
+  clock = timing.StageClock(STAGES, keep_intervals=keep_intervals, clock=fake)
   clock.start()
   return clock, fake
 
@@ -96,7 +97,7 @@ def test_window_covers_only_since_to_now():
 
 
 def test_concurrent_threads_lose_no_intervals():
-  clock = stages.StageClock(STAGES)
+  clock = timing.StageClock(STAGES)
   clock.start()
   n_threads, n_each = 8, 1000
   barrier = threading.Barrier(n_threads)
@@ -171,13 +172,76 @@ def test_unknown_stage_and_misuse():
   with pytest.raises(ValueError, match="ends before it starts"):
     clock.add("env", 101.0, 100.0)
   with pytest.raises(RuntimeError, match="start"):
-    stages.StageClock(STAGES).add("env", 0.0, 1.0)
+    timing.StageClock(STAGES).add("env", 0.0, 1.0)
   with pytest.raises(ValueError, match="duplicate"):
-    stages.StageClock(("env", "env"))
+    timing.StageClock(("env", "env"))
+
+
+def test_counters_add_and_copy():
+  clock, _ = _started()
+  assert clock.counters() == {}
+  clock.count("queue_wait_s", 0.5)
+  clock.count("queue_wait_s", 0.25)
+  clock.count("dropped", 3)  # Free-form names, not only the stages.
+  got = clock.counters()
+  assert got == {"queue_wait_s": 0.75, "dropped": 3.0}
+  got["queue_wait_s"] = 99.0  # A copy: the clock's counters are unchanged.
+  assert clock.counters()["queue_wait_s"] == 0.75
+  clock.start()  # A new run starts from zero.
+  assert clock.counters() == {}
+
+
+def test_timed_adds_block_time_even_on_error():
+  fake = FakeClock(5.0)
+  clock = timing.StageClock(STAGES, clock=fake)  # Counters need no start().
+  with clock.timed("pace_wait_s"):
+    fake.t = 7.5
+  with clock.timed("pace_wait_s"):
+    fake.t = 8.0
+  assert clock.counters() == {"pace_wait_s": pytest.approx(3.0)}
+  with pytest.raises(KeyError):
+    with clock.timed("recv_wait_s"):
+      fake.t = 9.0
+      raise KeyError("boom")
+  assert clock.counters()["recv_wait_s"] == pytest.approx(1.0)
+
+
+def test_timed_with_real_clock_measures_elapsed_time():
+  clock = timing.StageClock(STAGES)
+  t0 = time.perf_counter()
+  with clock.timed("sleep_s"):
+    time.sleep(0.05)
+  wall = time.perf_counter() - t0
+  assert 0.05 <= clock.counters()["sleep_s"] <= wall
+
+
+def test_counters_threads_lose_no_additions():
+  clock = timing.StageClock(STAGES)
+  n_threads, n_each = 8, 2000
+  barrier = threading.Barrier(n_threads)
+
+  def work(i: int) -> None:
+    barrier.wait()
+    for _ in range(n_each):
+      clock.count("shared", 1.0)
+      clock.count(f"own_{i % 2}", 0.5)
+      with clock.timed("timed_s"):
+        pass
+
+  threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=30)
+    assert not t.is_alive()
+  got = clock.counters()
+  assert got["shared"] == n_threads * n_each
+  assert got["own_0"] == got["own_1"] == n_threads // 2 * n_each * 0.5
+  assert got["timed_s"] >= 0.0
 
 
 def test_histogram_summary_and_ge16_bucket():
-  h = stages.Histogram()
+  h = timing.Histogram()
   assert h.summary("staleness") == {}
   h.add(np.array([0, 0, 1, 2]))
   h.add([1], count_weights=[4])
@@ -201,7 +265,7 @@ def test_histogram_summary_and_ge16_bucket():
 
 
 def test_histogram_threads():
-  h = stages.Histogram()
+  h = timing.Histogram()
   threads = [threading.Thread(target=lambda: [h.add([1, 2]) for _ in range(500)])
              for _ in range(4)]
   for t in threads:
@@ -216,31 +280,33 @@ def test_json_round_trip(tmp_path):
   clock.add("env", 11.0, 12.5)
   clock.add("env", 12.0, 13.0)
   clock.add("broadcast", 14.0, 14.25)
+  clock.count("pace_wait_s", 0.5)
   fake.t = 20.0
   path = str(tmp_path / "run" / "timeline.json")
   clock.to_json(path)
-  loaded = stages.StageClock.from_json(path)
+  loaded = timing.StageClock.from_json(path)
   assert loaded == clock.intervals()
   assert loaded["env"] == [(1.0, 2.5), (2.0, 3.0)] and loaded["learner"] == []
   with open(path, encoding="utf-8") as f:
     record = json.load(f)
   assert record["elapsed_s"] == pytest.approx(10.0)
   assert record["busy_seconds"]["env"] == pytest.approx(2.0)
+  assert record["counters"] == {"pace_wait_s": 0.5}
   bad = tmp_path / "bad.json"
   bad.write_text("{}")
   with pytest.raises(ValueError, match="not a StageClock timeline"):
-    stages.StageClock.from_json(str(bad))
+    timing.StageClock.from_json(str(bad))
 
 
 def test_plot_timeline_writes_png(tmp_path):
   ivs = {"env": [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], "inference": [(2.0, 2.5)],
          "learner": [(1.0, 5.0)], "broadcast": []}
   out = str(tmp_path / "plots" / "timeline.png")
-  assert stages.plot_timeline(ivs, out, title="test") == out
+  assert plot_timeline.plot_timeline(ivs, out, title="test") == out
   with open(out, "rb") as f:
     data = f.read()
   assert len(data) > 1000 and data.startswith(PNG_SIGNATURE)
   windowed = str(tmp_path / "window.png")
-  stages.plot_timeline(ivs, windowed, t_range=(1.0, 4.0))
+  plot_timeline.plot_timeline(ivs, windowed, t_range=(1.0, 4.0))
   with open(windowed, "rb") as f:
     assert f.read(8) == PNG_SIGNATURE

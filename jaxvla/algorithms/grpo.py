@@ -90,3 +90,45 @@ def chunk_weights(mask: jax.Array, normalizer: str) -> jax.Array:
   if normalizer == "trajectory":
     return m / (jnp.maximum(lengths, 1.0)[:, None] * nonempty)
   return m / (m.shape[1] * nonempty)
+
+
+# Normalizers whose weights a micro-batch can compute alone (given the update's episode count).
+STREAMABLE_NORMALIZERS = ("trajectory", "constant")
+
+
+def check_normalizer(normalizer: str, streamed: bool) -> None:
+  """Raises ``ValueError`` naming ``config.ppo.loss_normalizer`` if it cannot be used.
+
+  Args:
+    normalizer: the configured name.
+    streamed: the streamed learner will use it (micro-batches weighted alone).
+  """
+  if normalizer not in NORMALIZERS:
+    raise ValueError(f"config.ppo.loss_normalizer={normalizer!r} must be one of {NORMALIZERS}")
+  if streamed and normalizer not in STREAMABLE_NORMALIZERS:
+    raise ValueError(f"config.ppo.loss_normalizer={normalizer!r} cannot be streamed (its "
+                     "weights need the whole update's chunk count); use one of "
+                     f"{STREAMABLE_NORMALIZERS} with pipeline.streamer")
+
+
+def streamed_weights(mask: jax.Array, normalizer: str, num_episodes_total: jax.Array
+                     ) -> jax.Array:
+  """Global per-chunk weights ``[e, K]`` of a micro-batch's episodes ``mask [e, K]``.
+
+  * "trajectory": ``mask / (|tau_e| * E_total)``;
+  * "constant": ``mask / (K * E_total)``,
+
+  so that the weights of all the micro-batches of an update of ``E_total``
+  episodes are :func:`chunk_weights` of the whole (every episode has a chunk).
+
+  Raises:
+    ValueError: naming ``config.ppo.loss_normalizer`` when it is not streamable
+      ("chunks" needs the update's total chunk count, known only at its end).
+  """
+  check_normalizer(normalizer, streamed=True)
+  m = jnp.asarray(mask, bool).astype(jnp.float32)
+  if normalizer == "trajectory":
+    per_episode = jnp.maximum(m.sum(axis=1, keepdims=True), 1.0)
+  else:
+    per_episode = jnp.float32(m.shape[1])
+  return m / (per_episode * num_episodes_total)

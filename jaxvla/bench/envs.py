@@ -15,6 +15,7 @@ of JSON with every row. The built-in env runs with its slept long-tail latency
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 
@@ -22,6 +23,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
+from jaxvla import config_files
 from jaxvla.envs import make_vec_env
 
 _ADAPTERS = flags.DEFINE_list("adapters", ["builtin"],
@@ -39,19 +41,18 @@ _LATENCY_SIGMA = flags.DEFINE_float("latency_sigma", 1.0, "builtin: log-normal s
 
 def env_config(adapter: str) -> ml_collections.ConfigDict:
   """The ``env`` sub-config of ``adapter`` (from the project's configs)."""
-  import importlib  # pylint: disable=import-outside-toplevel
   config_file = {"builtin": "default", "maniskill_state": "maniskill",
                  "maniskill_rgb": "maniskill", "libero": "libero"}.get(adapter)
   if config_file is None:
     raise ValueError(f"--adapters: unknown adapter {adapter!r}")
-  module = importlib.import_module(f"configs.{config_file}")
+  path = os.path.join(config_files.CONFIG_DIR, f"{config_file}.py")
   if adapter == "builtin":
-    c = module.get_config().env
+    c = config_files.load_config(path).env
     c.latency_ms, c.latency_sigma = _LATENCY_MS.value, _LATENCY_SIGMA.value
     return c
   if adapter in ("maniskill_state", "maniskill_rgb"):
-    return module.get_config("state" if adapter == "maniskill_state" else "").env
-  return module.get_config().env
+    return config_files.load_config(path, "state" if adapter == "maniskill_state" else "").env
+  return config_files.load_config(path).env
 
 
 def run_sync(env, actions: np.ndarray, seconds: float) -> float:

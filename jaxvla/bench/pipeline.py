@@ -25,7 +25,7 @@ measured alone, in the same units:
 * env: the env pool with a zero-cost policy (random chunks), first-ready
   batching as the async mode uses it;
 * inference: ``act`` on the async mode's inference batch, chunks/s x chunk length;
-* learner: ``ppo_update`` on one stored update batch, its env steps / update time.
+* learner: ``Learner.update`` on one stored update batch, its env steps / update time.
 
 Pipeline efficiency = full-async throughput / the slowest standalone rate. The
 last line of output is JSON with every row, ``speedup_vs_sync_colocated`` and
@@ -48,13 +48,14 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxvla import config_checks, sharding as sharding_lib
+from jaxvla import config_checks, plot_timeline, sharding as sharding_lib
 from jaxvla.bench import envs as env_bench
 from jaxvla.envs import make_vec_env
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.runtime import pipeline as pipeline_lib
-from jaxvla.runtime import rollout as rollout_lib
+from jaxvla.rollout import rollout as rollout_lib
+from jaxvla.rollout import segments as segments_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py:bench", "Config file (optionally ':variant').",
@@ -127,8 +128,9 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
 
   def on_update(info):
     trained[0] += info.env_steps
-    marks.append((time.perf_counter(), trained[0], pipe.rollout.env_steps,
-                  pipe.clock.elapsed(), pipe.queue.stats.dropped_env_steps))
+    totals = pipe.totals()
+    marks.append((time.perf_counter(), trained[0], totals["rollout_env_steps"],
+                  pipe.clock.elapsed(), totals["dropped_env_steps"]))
 
   total = _WARMUP.value + _UPDATES.value
   try:
@@ -153,10 +155,9 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
              env_workers_busy=workers,  # None without an env pool (env_workers=0).
              **{k: v for k, v in window.items() if k.endswith("_busy")})
   if name == "+streamer" and _TIMELINE.value:
-    from jaxvla.runtime import stages  # pylint: disable=import-outside-toplevel
     intervals = pipe.clock.intervals()
     end = max(e for ivs in intervals.values() for _, e in ivs)  # The run's last activity.
-    stages.plot_timeline(intervals, _TIMELINE.value, t_range=(max(c0, end - 3.0), end),
+    plot_timeline.plot_timeline(intervals, _TIMELINE.value, t_range=(max(c0, end - 3.0), end),
                          title=f"{pipe.mode_name}: 3 s of the timed window")
   return row
 
@@ -188,12 +189,12 @@ def stage_rates(base: ml_collections.ConfigDict, parts: _Parts) -> dict[str, flo
     env_rate = env_bench.run_first_ready(env, actions, seconds, b_max,
                                          c.pipeline.t_max_ms / 1000)
     # One lockstep update's data for the learner, and observations for inference.
-    builder = rollout_lib.SegmentBuilder(c.num_envs, c.rollout_len, c.num_envs)
+    builder = segments_lib.SegmentBuilder(c.num_envs, c.rollout_len, c.num_envs)
     ro = rollout_lib.Rollout(env, parts.policy, parts.act, parts.value,
                              lambda: (parts.params, 0), builder, jax.random.PRNGKey(0), seed=1)
     for _ in range(c.rollout_len):
       ro.step_all()
-    traj = builder.pop_items()[0].data
+    traj = ro.pop_items()[0].data
   finally:
     env.close()
   batch = jax.tree.map(lambda x: x[0, :b_max], traj.batch)
@@ -206,11 +207,11 @@ def stage_rates(base: ml_collections.ConfigDict, parts: _Parts) -> dict[str, flo
   inference_rate = n * b_max * chunk / (time.perf_counter() - t0)
   learner = parts.learner(c)
   state = parts.state(learner)
-  state, _ = learner.ppo_update(state, traj)
+  state, _ = learner.update(state, traj)
   jax.block_until_ready(state)
   n, t0 = 0, time.perf_counter()
   while time.perf_counter() - t0 < seconds:
-    state, m = learner.ppo_update(state, traj)
+    state, m = learner.update(state, traj)
     jax.device_get(m)
     n += 1
   learner_rate = n * traj.num_env_steps / (time.perf_counter() - t0)

@@ -8,7 +8,7 @@ their learner steps. For every model and variant it measures
   is excluded and reported apart; one warm-up call; median of ``--repeats`` calls,
   each ended by ``jax.block_until_ready`` on the whole output pytree);
 * ``bc_step``: one ``Learner.bc_step`` at ``--learner_batch``;
-* ``ppo_minibatch``: one ``Learner.ppo_update`` on a ``[1, --learner_batch]``
+* ``ppo_minibatch``: one ``Learner.update`` on a ``[1, --learner_batch]``
   trajectory with one epoch and one minibatch, i.e. exactly one PPO minibatch
   step (``evaluate`` over ``--learner_denoise_steps`` steps, backward, Adam).
 
@@ -54,10 +54,10 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
+from jaxvla import config_files, types
 from jaxvla.envs import protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import summary as summary_lib
-from jaxvla.rollout import trajectory as trajectory_lib
 
 _MODELS = flags.DEFINE_list("models", ["pi0", "pi05"], "Policies (config.model.name).")
 _VARIANTS = flags.DEFINE_list("variants", ["tiny", "small"], "Sizes: tiny, small, full.")
@@ -149,12 +149,15 @@ def model_flops(fn: Callable, *args) -> float:
   return jaxpr_flops(jax.make_jaxpr(fn)(*args))
 
 
-def xla_flops(compiled) -> float | None:
-  """``compiled.cost_analysis()["flops"]`` (while-loop bodies counted once), or None."""
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except
-    return None
+def xla_flops(compiled: jax.stages.Compiled) -> float | None:
+  """``compiled.cost_analysis()["flops"]`` (while-loop bodies counted once), or None.
+
+  None where the backend has no cost analysis or reports no ``flops``. Nothing is
+  caught: ``Compiled.cost_analysis`` itself returns None on a backend without one
+  (it turns XLA's UNIMPLEMENTED status and NotImplementedError into None), so an
+  exception here is a real failure.
+  """
+  cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
   return float(cost["flops"]) if cost and "flops" in cost else None
@@ -190,12 +193,12 @@ def make_batch(policy, spec: protocol.EnvSpec, batch_size: int, seed: int) -> di
   return policy.prepare(obs)
 
 
-def make_trajectory(batch: dict, chain, seed: int) -> trajectory_lib.Trajectory:
+def make_trajectory(batch: dict, chain, seed: int) -> types.Trajectory:
   """A ``[1, B]`` trajectory of ``batch`` with (zero) chains shaped like ``chain [B, ...]``."""
   b = chain.shape[0]
   rng = np.random.default_rng(seed)
   zeros = np.zeros((1, b), np.float32)
-  return trajectory_lib.Trajectory(
+  return types.Trajectory(
       batch=jax.tree.map(lambda x: x[None], batch), chain=np.zeros((1, *chain.shape), chain.dtype),
       log_prob=zeros, value=zeros, reward=rng.standard_normal((1, b)).astype(np.float32),
       done=np.zeros((1, b), bool), steps=np.ones((1, b), np.int32),
@@ -204,7 +207,7 @@ def make_trajectory(batch: dict, chain, seed: int) -> trajectory_lib.Trajectory:
 
 def make_learner(policy) -> learner_lib.Learner:
   """``Learner`` with the default config's ``bc`` / ``ppo``, PPO at 1 epoch x 1 minibatch."""
-  c = summary_lib.default_config()
+  c = config_files.load_config(config_files.DEFAULT_CONFIG)
   c.ppo.num_epochs, c.ppo.num_minibatches = 1, 1
   return learner_lib.Learner(policy, c.bc, c.ppo)
 
@@ -320,7 +323,7 @@ def learner_flops(model: str, variant: str, dtype: str, k: int, op: str, remat: 
     cfg = bench_config(model, variant, dtype=dtype, chunk_len=_CHUNK_LEN.value,
                        denoise_steps=k, remat=remat_)
     lrn = make_learner(summary_lib.make_policy(model, variant, config=cfg))
-    return model_flops({"bc_step": lrn.bc_step, "ppo_minibatch": lrn.ppo_update}[op], *args)
+    return model_flops({"bc_step": lrn.bc_step_jit, "ppo_minibatch": lrn.update_jit}[op], *args)
   executed = count_for(remat)
   return (count_for(False) if remat else executed), executed
 
@@ -346,8 +349,8 @@ def measure_learner(model: str, variant: str, dtype: str, remat: bool, params, n
   state = learner_lib.init_state(params, lrn.bc_tx, rng)  # donated by the steps below
   del params
   rows = []
-  for op, step, data in (("bc_step", lrn.bc_step, (batch, actions)),
-                         ("ppo_minibatch", lrn.ppo_update, (traj,))):
+  for op, step, data in (("bc_step", lrn.bc_step_jit, (batch, actions)),
+                         ("ppo_minibatch", lrn.update_jit, (traj,))):
     flops, executed = learner_flops(model, variant, dtype, k, op, remat, _abstract(state),
                                     *_abstract(data))
     compiled, compile_s = _compile(step, state, *data)
@@ -383,11 +386,11 @@ def memory_rows() -> list[dict]:
     batch = _abstract(batch_np)
     for step_name in _MEMORY_STEPS.value:
       if step_name == "bc":
-        step, op = lrn.bc_step, "bc_step"
+        step, op = lrn.bc_step_jit, "bc_step"
         data = (batch, jax.ShapeDtypeStruct((bs, policy.chunk_len, spec.action_dim),
                                             jnp.float32))
       elif step_name == "ppo":
-        step, op = lrn.ppo_update, "ppo_minibatch"
+        step, op = lrn.update_jit, "ppo_minibatch"
         chain = jax.eval_shape(lambda p, b, r: policy.act(p, b, r, _ACT_MODE.value), params,
                                batch, jax.ShapeDtypeStruct((2,), jnp.uint32)).chain
         data = (_abstract(make_trajectory(batch_np, chain, _SEED.value)),)

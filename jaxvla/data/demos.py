@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from jaxvla.envs import protocol
-from jaxvla.models import policy as policy_lib
+from jaxvla.models import contract
 
 
-def collect_expert_demos(env: protocol.VecEnv, policy: policy_lib.Policy, *,
+def collect_expert_demos(env: protocol.VecEnv, policy: contract.Policy, *,
                          num_episodes: int, noise: float, speed: float,
                          seed: int) -> dict[str, np.ndarray]:
   """Rolls out the env's scripted expert until ``num_episodes`` episodes have ended.

@@ -23,7 +23,7 @@ def make_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
     config: the ``env`` sub-config.
     num_envs: envs in this batch.
     seed: episode seed until the first ``reset``.
-    group_size: GRPO group size; None reads ``env.group_size`` (1 when absent).
+    group_size: GRPO group size; None reads ``env.group_size``.
       Pass 1 for batches that should not be grouped (e.g. evaluation).
     first_env_id: global id of the batch's env 0 (a pool's worker envs).
     total_envs: envs in the whole run (default: the batch is the run).
@@ -33,7 +33,7 @@ def make_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
         f"config.env.name={config.name!r} is not a known environment; "
         f"choose one of {sorted(_ENV_MODULES)}")
   if group_size is None:
-    group_size = config.get("group_size", 1)
+    group_size = config.group_size
   return importlib.import_module(_ENV_MODULES[config.name]).make(
       config, num_envs, seed, group_size=group_size, first_env_id=first_env_id,
       total_envs=total_envs)
@@ -52,7 +52,7 @@ def make_vec_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
     ValueError: naming ``env.group_size`` if it does not divide ``num_envs``, or
       ``env_workers`` if ``num_workers`` does not.
   """
-  protocol.group_layout(config.get("group_size", 1), num_envs)  # Fails before any build.
+  protocol.group_layout(config.group_size, num_envs)  # Fails before any build.
   if num_workers == 0:
     return make_env(config, num_envs, seed)
   if num_workers < 0 or num_envs % num_workers:

@@ -45,6 +45,25 @@ _AGENT_COLOUR = np.array([255, 255, 255], np.uint8)
 _EPISODE_STREAM, _LATENCY_STREAM, _NOISE_STREAM = 0, 1, 2
 
 
+def _spec(image_size: int, max_episode_steps: int) -> protocol.EnvSpec:
+  """The one definition of ColorReach's spec: a ``top`` camera, 2-D state and action."""
+  return protocol.EnvSpec(
+      camera_names=("top",), image_shape=(image_size, image_size, 3), state_dim=2,
+      action_dim=2, max_episode_steps=max_episode_steps)
+
+
+def spec_from_config(config: ml_collections.ConfigDict) -> protocol.EnvSpec:
+  """The spec of the env :func:`make` builds from the ``env`` sub-config, without building it.
+
+  Raises:
+    ValueError: ``config.name`` names another env (its spec is not ColorReach's).
+  """
+  if config.get("name", "builtin") != "builtin":
+    raise ValueError(f"config.env.name={config.name!r}: spec_from_config reads the built-in "
+                     "env's spec only")
+  return _spec(config.image_size, config.max_episode_steps)
+
+
 def episode_rng(seed: int, group: int, episode: int) -> np.random.Generator:
   """The generator of group ``group``'s ``episode``-th layout after ``reset(seed)``."""
   return np.random.default_rng([seed, _EPISODE_STREAM, group, episode])
@@ -108,9 +127,7 @@ class ColorReach:
     self.layout, self.ring_radius = layout, tuple(ring_radius)
     self.latency_ms = latency_ms
     self.latency_sigma = latency_sigma
-    self.spec = protocol.EnvSpec(
-        camera_names=("top",), image_shape=(image_size, image_size, 3), state_dim=2,
-        action_dim=2, max_episode_steps=max_episode_steps)
+    self.spec = _spec(image_size, max_episode_steps)
     # Pixel-centre coordinates in world units, [S].
     self._pix = (np.arange(image_size) + 0.5) / image_size * 2.0 - 1.0
     self.agent = np.zeros((num_envs, 2), np.float32)
@@ -289,5 +306,5 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
       min_separation=config.min_separation, layout=config.layout,
       ring_radius=tuple(config.ring_radius), latency_ms=config.latency_ms,
       latency_sigma=config.latency_sigma, seed=seed,
-      group_size=config.get("group_size", 1) if group_size is None else group_size,
+      group_size=config.group_size if group_size is None else group_size,
       first_env_id=first_env_id, total_envs=total_envs)

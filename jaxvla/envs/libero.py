@@ -172,5 +172,5 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
   return LiberoEnv(config.task, num_envs, image_size=config.image_size,
                    max_episode_steps=config.max_episode_steps,
                    settle_steps=config.settle_steps, seed=seed,
-                   group_size=config.get("group_size", 1) if group_size is None else group_size,
+                   group_size=config.group_size if group_size is None else group_size,
                    first_env_id=first_env_id, total_envs=total_envs)

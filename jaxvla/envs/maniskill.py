@@ -140,5 +140,5 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
                       control_mode=config.control_mode, image_size=config.image_size,
                       max_episode_steps=config.max_episode_steps,
                       reward_mode=config.reward_mode, seed=seed,
-                      group_size=config.get("group_size", 1) if group_size is None
+                      group_size=config.group_size if group_size is None
                       else group_size, first_env_id=first_env_id, total_envs=total_envs)

@@ -23,7 +23,7 @@ With ``G = 1`` every env is its own group: all episodes differ.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -157,6 +157,31 @@ class VecEnv(Protocol):
     """Releases simulator resources."""
 
 
+class WorkerStats(Protocol):
+  """What the rollout reads of an :class:`AsyncVecEnv`'s counters."""
+  worker_busy_s: float  # Seconds the workers spent stepping, summed over workers.
+
+
+@runtime_checkable
+class AsyncVecEnv(VecEnv, Protocol):
+  """A :class:`VecEnv` whose envs step in worker processes, driven first-ready.
+
+  ``send`` hands chunks to some envs and returns at once; ``recv`` returns the
+  envs that have finished theirs. The env pool (:class:`jaxvla.envs.pool.EnvPool`)
+  implements it; ``step_chunk`` remains the lockstep path.
+  """
+
+  num_workers: int
+  stats: WorkerStats
+
+  def send(self, actions: np.ndarray, env_ids: np.ndarray) -> None:
+    """Starts chunk ``actions`` ``float [b, H, A]`` on envs ``env_ids`` ``[b]`` (idle ones)."""
+
+  def recv(self, b_max: int, t_max_s: float) -> tuple[np.ndarray, ChunkStep]:
+    """``(env_ids [b'], ChunkStep [b'])`` of finished envs: returns once ``b_max`` are
+    ready or ``t_max_s`` after the first of them was."""
+
+
 def group_layout(group_size: int, num_envs: int, first_env_id: int = 0,
                  total_envs: int | None = None) -> tuple[np.ndarray, int]:
   """The GRPO groups of a batch of envs.
@@ -175,10 +200,10 @@ def group_layout(group_size: int, num_envs: int, first_env_id: int = 0,
   total = num_envs if total_envs is None else int(total_envs)
   if (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
       or group_size < 1):
-    raise ValueError(f"env.group_size={group_size!r} must be an integer >= 1")
+    raise ValueError(f"config.env.group_size={group_size!r} must be an integer >= 1")
   group_size = int(group_size)
   if total % group_size:
-    raise ValueError(f"env.group_size={group_size} must divide the number of envs "
+    raise ValueError(f"config.env.group_size={group_size} must divide the number of envs "
                      f"(num_envs={total})")
   if total_envs is None and first_env_id != 0:
     raise ValueError(f"first_env_id={first_env_id} needs total_envs (the run's env count) "

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxvla.envs import protocol
-from jaxvla.models import gemma, layers, pi0, policy as policy_lib, siglip
+from jaxvla.models import contract, gemma, layers, pi0, siglip
 from jaxvla.models import tokenizer as tokenizer_lib
 
 MODES = ("train", "eval")  # act(): 'train' samples (temperature 1), 'eval' is greedy.
@@ -302,11 +302,11 @@ class ActionTokenPolicy:
     """The parameter tree as NNX nodes (with logical-axis metadata)."""
     return build(self.net, nnx.Rngs(params=rng))
 
-  def init(self, rng: jax.Array) -> policy_lib.Params:
+  def init(self, rng: jax.Array) -> contract.Params:
     """Fresh parameters (a pure nested dict)."""
     return nnx.to_pure_dict(nnx.state(self.build(rng), nnx.Param))
 
-  def abstract_params(self) -> policy_lib.Params:
+  def abstract_params(self) -> contract.Params:
     """Shapes and dtypes of the parameters, without allocating them."""
     return jax.eval_shape(self.init, jax.random.key(0))
 
@@ -331,7 +331,7 @@ class ActionTokenPolicy:
     idx = jnp.round(chain[:, 0]).astype(jnp.int32)
     return jnp.clip(idx, 0, self.num_bins - 1).reshape(chain.shape[0], -1)
 
-  def token_log_probs(self, params: policy_lib.Params, batch: dict,
+  def token_log_probs(self, params: contract.Params, batch: dict,
                       chain: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Teacher-forced full bin log-probs ``[B, H * A, num_bins]`` of a chain, and value ``[B]``.
 
@@ -349,8 +349,8 @@ class ActionTokenPolicy:
     return logp, logp.sum((1, 2))
 
   # --------------------------------------------------------------- contract --
-  def act(self, params: policy_lib.Params, batch: dict, rng: jax.Array,
-          mode: str) -> policy_lib.ActOutput:
+  def act(self, params: contract.Params, batch: dict, rng: jax.Array,
+          mode: str) -> contract.ActOutput:
     """Decodes a chunk: ``mode`` 'train' samples each token, 'eval' takes the argmax."""
     if mode not in MODES:
       raise ValueError(f"action_token_vla act mode {mode!r} is not one of {MODES}")
@@ -358,12 +358,12 @@ class ActionTokenPolicy:
                                             batch["token_mask"], rng, greedy=mode == "eval")
     logp_dims, logp = self._split(logp_all, tokens)
     idx = tokens.reshape(tokens.shape[0], self.chunk_len, self.action_dim)
-    return policy_lib.ActOutput(
+    return contract.ActOutput(
         actions=bin_centers(idx, self.num_bins), chain=idx[:, None].astype(jnp.float32),
         log_prob=logp, log_prob_dims=logp_dims, value=value(self.net, params, hidden, mask))
 
-  def evaluate(self, params: policy_lib.Params, batch: dict,
-               chain: jax.Array) -> policy_lib.Evaluation:
+  def evaluate(self, params: contract.Params, batch: dict,
+               chain: jax.Array) -> contract.Evaluation:
     """Log-prob ``[B]`` of stored chains ``[B, 1, H, A]`` (one teacher-forced pass).
 
     Entropy ``[B]``: the categorical entropies of the H * A token positions, summed.
@@ -371,15 +371,15 @@ class ActionTokenPolicy:
     logp_all, v = self.token_log_probs(params, batch, chain)
     logp_dims, logp = self._split(logp_all, self.chain_tokens(chain))
     entropy = -(jnp.exp(logp_all) * logp_all).sum((1, 2))
-    return policy_lib.Evaluation(log_prob=logp, log_prob_dims=logp_dims, value=v,
+    return contract.Evaluation(log_prob=logp, log_prob_dims=logp_dims, value=v,
                                  entropy=entropy)
 
-  def value(self, params: policy_lib.Params, batch: dict) -> jax.Array:
+  def value(self, params: contract.Params, batch: dict) -> jax.Array:
     hidden, mask, _ = encode_prefix(self.net, params, batch["images"], batch["tokens"],
                                     batch["token_mask"])
     return value(self.net, params, hidden, mask)
 
-  def bc_loss(self, params: policy_lib.Params, batch: dict, actions: jax.Array,
+  def bc_loss(self, params: contract.Params, batch: dict, actions: jax.Array,
               rng: jax.Array) -> jax.Array:
     """Cross-entropy (mean per token) of expert chunks ``actions [B, H, A]``, discretised."""
     del rng  # Teacher forcing is deterministic.

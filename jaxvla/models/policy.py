@@ -1,75 +1,21 @@
-"""The policy contract RL and the runtime program against, and its flow-VLA implementation.
+"""The pi0 / pi0.5 flow-matching policy (:class:`FlowPolicy`) and the policy registry.
 
-A policy is a stateless object holding static structure; parameters are a pure
-pytree (nested dicts of arrays) so that optax, orbax and sharding code treat them
-uniformly. Every method but :meth:`prepare` is pure and jittable.
-
-* ``prepare(obs) -> batch``: host-side, observation -> arrays (tokenisation).
-* ``act(params, batch, rng, mode) -> ActOutput``: actions, the stored sampler
-  chain, its log-prob and the value.
-* ``evaluate(params, batch, chain) -> Evaluation``: log-prob of a stored chain,
-  value and entropy under the current parameters (for PPO/GRPO).
-* ``bc_loss(params, batch, actions, rng)``: the supervised flow-matching loss.
+:func:`make_policy` builds any family by ``config.model.name`` from
+:data:`POLICIES`; the contract every family implements (``Policy``,
+``ActOutput``, ``Evaluation``) lives in :mod:`jaxvla.models.contract`.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from jaxvla.envs import protocol
 from jaxvla.models import action_token_vla, denoise, layers, pi0, tokenizer as tokenizer_lib
-
-Params = dict
-
-
-@struct.dataclass
-class ActOutput:
-  """What :meth:`Policy.act` returns.
-
-  Attributes:
-    actions: ``[B, H, A]`` the chunk to execute (the env's action dims).
-    chain: ``[B, K + 1, H, A_net]`` the sampler chain (flow policies: every denoise
-      state, noise first; action-token policies: ``[B, 1, H, A]`` bin indices).
-    log_prob: ``[B]`` log-probability of the chain (zeros in deterministic mode).
-    log_prob_dims: ``[B, H, A_net]`` the same per action dimension (summed over
-      denoise steps; zero on padded dims), so ``log_prob = log_prob_dims.sum((1, 2))``.
-    value: ``[B]`` state value.
-  """
-  actions: jax.Array
-  chain: jax.Array
-  log_prob: jax.Array
-  log_prob_dims: jax.Array
-  value: jax.Array
-
-
-@struct.dataclass
-class Evaluation:
-  """Log-prob ``[B]`` (and per dimension ``[B, H, A_net]``), value ``[B]`` and entropy ``[B]``."""
-  log_prob: jax.Array
-  log_prob_dims: jax.Array
-  value: jax.Array
-  entropy: jax.Array
-
-
-class Policy(Protocol):
-  chunk_len: int
-  action_dim: int
-
-  def init(self, rng: jax.Array) -> Params: ...
-  def abstract_params(self) -> Params: ...
-  def logical_axes(self) -> dict: ...
-  def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]: ...
-  def act(self, params: Params, batch: dict, rng: jax.Array, mode: str) -> ActOutput: ...
-  def evaluate(self, params: Params, batch: dict, chain: jax.Array) -> Evaluation: ...
-  def bc_loss(self, params: Params, batch: dict, actions: jax.Array,
-              rng: jax.Array) -> jax.Array: ...
+from jaxvla.models.contract import ActOutput, Evaluation, Params, Policy
 
 
 class FlowPolicy:
@@ -198,15 +144,16 @@ class FlowPolicy:
     return err.sum() / (err.shape[0] * err.shape[1] * self.action_dim)
 
 
-_POLICIES = {
-    "pi0": FlowPolicy, "pi05": FlowPolicy,
-    # Looked up at call time: action_token_vla imports this module (ActOutput, Evaluation).
-    "action_token_vla": lambda config, spec: action_token_vla.ActionTokenPolicy(config, spec),
+# config.model.name -> the family's constructor ``(model config, EnvSpec) -> Policy``.
+POLICIES = {
+    "pi0": FlowPolicy,
+    "pi05": FlowPolicy,
+    "action_token_vla": action_token_vla.ActionTokenPolicy,
 }
 
 
 def make_policy(config: ml_collections.ConfigDict, spec: protocol.EnvSpec) -> Policy:
   """Builds the policy named by ``config.name`` (the ``model`` sub-config)."""
-  if config.name not in _POLICIES:
-    raise ValueError(f"config.model.name={config.name!r} is not one of {sorted(_POLICIES)}")
-  return _POLICIES[config.name](config, spec)
+  if config.name not in POLICIES:
+    raise ValueError(f"config.model.name={config.name!r} is not one of {sorted(POLICIES)}")
+  return POLICIES[config.name](config, spec)

@@ -31,14 +31,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from typing import Any, Mapping
 
 import jax
 import ml_collections
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxvla import config_files
+from jaxvla.envs import builtin, protocol
+
 # openpi's parameter trees (names, shapes, dtypes), read from openpi's own model code
 # (provenance in the file's "source" and "how" fields; third_party/README.md).
 DEFAULT_SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openpi_params.json")
@@ -60,14 +61,13 @@ OPENPI_MAX_TOKEN_LEN = {"pi0": 48, "pi05": 200}  # Pi0Config's prompt lengths.
 
 
 # ------------------------------------------------------------------ building --
-def default_config():
-  """``configs/default.py`` (the repo root joins ``sys.path`` when run from elsewhere)."""
-  try:
-    from configs import default  # pylint: disable=import-outside-toplevel
-  except ModuleNotFoundError:
-    sys.path.insert(0, ROOT)
-    from configs import default  # pylint: disable=import-outside-toplevel
-  return default.get_config()
+def default_config() -> ml_collections.ConfigDict:
+  """A fresh ``configs/default.py`` config (:data:`jaxvla.config_files.DEFAULT_CONFIG`).
+
+  Raises:
+    FileNotFoundError: the repository's ``configs/default.py`` is not next to the package.
+  """
+  return config_files.load_config(config_files.DEFAULT_CONFIG)
 
 
 def model_config(model: str, variant: str, *,
@@ -90,24 +90,22 @@ def model_config(model: str, variant: str, *,
   return c
 
 
-def env_spec(variant: str):
+def env_spec(variant: str) -> protocol.EnvSpec:
   """The ``EnvSpec`` a variant is built against: openpi's for ``full``, the built-in env's else."""
-  from jaxvla.envs import builtin, protocol  # pylint: disable=import-outside-toplevel
   if variant == "full":
     return protocol.EnvSpec(camera_names=OPENPI_CAMERAS,
                             image_shape=(OPENPI_IMAGE_SIZE, OPENPI_IMAGE_SIZE, 3),
                             state_dim=OPENPI_PADDED_DIM, action_dim=OPENPI_PADDED_DIM,
                             max_episode_steps=100)
-  return builtin.make(default_config().env, 1, 0).spec
+  return builtin.spec_from_config(default_config().env)
 
 
 def make_policy(model: str, variant: str, *, dtype: str | None = None,
                 config: ml_collections.ConfigDict | None = None):
   """The policy ``model`` / ``variant`` (see :func:`model_config`; ``config`` overrides it)."""
   from jaxvla.models import policy as policy_lib  # pylint: disable=import-outside-toplevel
-  if model not in policy_lib._POLICIES:  # pylint: disable=protected-access
-    raise ValueError(f"--model={model!r} is not one of "
-                     f"{sorted(policy_lib._POLICIES)}")  # pylint: disable=protected-access
+  if model not in policy_lib.POLICIES:
+    raise ValueError(f"--model={model!r} is not one of {sorted(policy_lib.POLICIES)}")
   config = config if config is not None else model_config(model, variant, dtype=dtype)
   return policy_lib.make_policy(config, env_spec(variant))
 

@@ -1,1 +1,8 @@
-"""Rollout: the trajectory type, synchronous collection and evaluation."""
+"""The rollout stage: acting on env batches and turning chunks into queue items.
+
+* :mod:`jaxvla.rollout.rollout`: :class:`Rollout`, lockstep or first-ready stepping.
+* :mod:`jaxvla.rollout.segments` / :mod:`jaxvla.rollout.episodes`: PPO segments
+  and GRPO episode groups, cut into :class:`jaxvla.types.Item` s.
+* :mod:`jaxvla.rollout.pacer`: bounded staleness by pacing segment starts.
+* :mod:`jaxvla.rollout.evaluate`: training success and fixed-seed evaluation.
+"""

@@ -21,13 +21,28 @@
   With every switch off, ``async`` is the synchronous baseline again (with the
   broadcast path), so each switch's gain is one run each.
 
+Data path (one direction): env pool -> :class:`jaxvla.rollout.rollout.Rollout`
+(acts, cuts items) -> :class:`jaxvla.runtime.queue.TrajectoryQueue` (staleness
+check) -> :class:`jaxvla.learner.learner.Learner` (update) ->
+:class:`jaxvla.runtime.broadcast.ParamServer` (new params to the rollout). The
+learner takes items from a *feed*: with L1 on, a rollout thread fills the queue
+(:class:`_ThreadFeed`); with L1 off, the learner's own thread steps the rollout
+until the next item is ready (:class:`_InlineFeed`). Everything else is the same
+code in every mode.
+
 Units: a PPO *update* consumes ``num_envs`` env segments of ``rollout_len``
 chunks (what one lockstep rollout yields), as ``num_envs / micro_batch_segments``
 queue items. A GRPO update (``ppo.algorithm='grpo'``) consumes ``num_envs``
 whole episodes, one queue item per group of ``env.group_size`` episodes that
-started from the same init (:mod:`jaxvla.runtime.episodes`). The policy version is the number of updates; every chunk carries the
-version that acted, and the learner at version ``u`` trains on an item only if
+started from the same init (:mod:`jaxvla.rollout.episodes`). The policy
+version is the number of updates; every chunk carries the version that acted,
+and the learner at version ``u`` trains on an item only if
 ``u - oldest chunk version <= max_staleness`` (see :mod:`jaxvla.runtime.queue`).
+
+Instrumentation: one :class:`jaxvla.timing.StageClock` records the stages' busy
+intervals and the rollout's waits (counters); :meth:`Pipeline.metrics` is the
+one place that reads it together with the queue, the broadcast, the env pool's
+workers and the rollout's recent episodes.
 
 Errors: an exception in the rollout or broadcaster thread stops the run and is
 re-raised in the caller with its traceback; KeyboardInterrupt stops the threads
@@ -49,28 +64,27 @@ import collections
 import dataclasses
 import logging
 import threading
-import time
 from typing import Any, Callable
 
 import jax
 import ml_collections
 import numpy as np
 
-from jaxvla import distributed
-from jaxvla.learner import grpo_update as grpo_update_lib
+from jaxvla import distributed, timing, types
+from jaxvla.envs import protocol
 from jaxvla.learner import learner as learner_lib
-from jaxvla.models import policy as policy_lib
-from jaxvla.rollout import trajectory as trajectory_lib
-from jaxvla.runtime import episodes as episodes_lib
-from jaxvla.runtime import params as params_lib
+from jaxvla.models import contract
+from jaxvla.rollout import episodes as episodes_lib
+from jaxvla.rollout import pacer as pacer_lib
+from jaxvla.rollout import rollout as rollout_lib
+from jaxvla.rollout import segments as segments_lib
+from jaxvla.runtime import broadcast as broadcast_lib
 from jaxvla.runtime import queue as queue_lib
-from jaxvla.runtime import rollout as rollout_lib
-from jaxvla.runtime import stages
 
 log = logging.getLogger(__name__)
 
 MODES = ("sync_colocated", "sync_disaggregated", "async")
-STAGES = ("env", "inference", "learner", "broadcast")
+STAGES = rollout_lib.STAGES + ("learner", "broadcast")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +97,11 @@ class Levels:
 
   @classmethod
   def from_config(cls, pipeline: ml_collections.ConfigDict) -> "Levels":
+    """The levels of ``config.pipeline``; the owner of the ``pipeline.mode`` check.
+
+    Raises:
+      ValueError: naming ``config.pipeline.mode`` if it is not one of :data:`MODES`.
+    """
     if pipeline.mode not in MODES:
       raise ValueError(f"config.pipeline.mode must be one of {MODES}, got {pipeline.mode!r}")
     on = pipeline.mode == "async"
@@ -99,17 +118,22 @@ class Levels:
     return "async[" + "+".join(parts or ["none"]) + "]"
 
 
-def concat_items(items: list[queue_lib.Item]) -> trajectory_lib.Trajectory:
-  """Items ``[T, M_i]`` -> one ``Trajectory [T, sum M_i]`` (env axis 1)."""
-  trajs = [it.data for it in items]
-  cat1 = lambda *xs: np.concatenate(xs, axis=1)
-  return trajectory_lib.Trajectory(
-      batch=jax.tree.map(cat1, *[t.batch for t in trajs]),
-      chain=cat1(*[t.chain for t in trajs]), log_prob=cat1(*[t.log_prob for t in trajs]),
-      value=cat1(*[t.value for t in trajs]), reward=cat1(*[t.reward for t in trajs]),
-      done=cat1(*[t.done for t in trajs]), steps=cat1(*[t.steps for t in trajs]),
-      bootstrap_value=np.concatenate([t.bootstrap_value for t in trajs]),
-      policy_version=cat1(*[t.policy_version for t in trajs]))
+def make_builder(config: ml_collections.ConfigDict, spec: protocol.EnvSpec
+                 ) -> tuple[rollout_lib.Builder, int]:
+  """The rollout's builder for ``config.ppo.algorithm`` and the items one update takes.
+
+  PPO: segments of ``rollout_len`` chunks, ``pipeline.micro_batch_segments`` per
+  item. GRPO: one item per group of ``env.group_size`` whole episodes.
+  """
+  if config.ppo.algorithm == "grpo":
+    g = config.env.group_size
+    max_chunks = episodes_lib.max_chunks_per_episode(spec.max_episode_steps,
+                                                     config.model.chunk_len)
+    return (episodes_lib.EpisodeBuilder(config.num_envs, g, max_chunks,
+                                        scale=config.ppo.grpo_scale), config.num_envs // g)
+  m = config.pipeline.micro_batch_segments
+  return (segments_lib.SegmentBuilder(config.num_envs, config.rollout_len, m),
+          config.num_envs // m)
 
 
 @dataclasses.dataclass
@@ -121,119 +145,142 @@ class UpdateInfo:
   dropped_env_steps: int  # ... and of the data dropped as too stale since the last update.
 
 
+class _InlineFeed:
+  """L1 off: the learner's thread steps the rollout until an item is ready, then trains."""
+
+  def __init__(self, rollout: rollout_lib.Rollout, queue: queue_lib.TrajectoryQueue):
+    self.rollout, self.queue = rollout, queue
+
+  def start(self) -> None:
+    pass
+
+  def get(self, version: int) -> tuple[types.Item, int]:
+    """The next fresh-enough item (raises ``Closed`` once the run is stopping)."""
+    while True:
+      try:  # Nothing is too stale here unless first-ready segments straddle updates.
+        return self.queue.get(version, timeout=0.0)
+      except TimeoutError:
+        pass
+      self.rollout.step()
+      for item in self.rollout.pop_items():
+        self.queue.put(item)
+
+  def stop(self) -> None:
+    pass
+
+
+class _ThreadFeed:
+  """L1 on: a rollout thread fills the queue while the learner trains."""
+
+  def __init__(self, rollout: rollout_lib.Rollout, queue: queue_lib.TrajectoryQueue):
+    self.rollout, self.queue = rollout, queue
+    self.error: BaseException | None = None
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def start(self) -> None:
+    self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        self.rollout.step()
+        for item in self.rollout.pop_items():
+          self.queue.put(item)
+    except types.Closed:
+      pass
+    except BaseException as e:  # Re-raised by the learner (with this traceback).
+      self.error = e
+      self.queue.close()
+
+  def get(self, version: int) -> tuple[types.Item, int]:
+    """The next fresh-enough item (raises ``Closed`` once the run is stopping)."""
+    return self.queue.get(version)
+
+  def stop(self) -> None:
+    """Ends the thread (the caller closed the queue and the pacer first)."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=60.0)
+      if self._thread.is_alive():
+        log.error("the rollout thread did not stop within 60 s")
+      self._thread = None
+
+
 class Pipeline:
   """Runs the RL phase for one config.
 
   Args:
     config: the whole config (``pipeline``, ``ppo``, ``num_envs``, ``rollout_len``).
     policy, learner: the policy contract and its :class:`Learner`.
-    env: the rollout env batch (an :class:`EnvPool` when L2 is on).
+    env: the rollout env batch (an ``AsyncVecEnv`` when L2 is on).
     act_fn, value_fn: jitted training sampler and value function.
     rollout_shardings: where the rollout's params live (a sharding for every
       leaf, or a tree); used unless the mode is ``sync_colocated``.
     rng: the sampler's key; seed: the env reset seed.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, policy: policy_lib.Policy,
-               learner: learner_lib.Learner, env, act_fn: Callable, value_fn: Callable,
-               rollout_shardings: Any, rng: jax.Array, seed: int):
+  def __init__(self, config: ml_collections.ConfigDict, policy: contract.Policy,
+               learner: learner_lib.Learner, env: protocol.VecEnv, act_fn: Callable,
+               value_fn: Callable, rollout_shardings: Any, rng: jax.Array, seed: int):
     p = config.pipeline
-    self.config, self.policy, self.learner, self.env = config, policy, learner, env
+    self.config, self.learner, self.env = config, learner, env
     self.levels = Levels.from_config(p)
     self.mode_name = self.levels.name(p.mode)
-    self.segments_per_update = config.num_envs  # PPO: segments; GRPO: one episode per env.
-    self.grpo = config.ppo.algorithm == "grpo"
-    self.b_max = p.b_max or max(1, config.num_envs // 2)
-    self.t_max_s = p.t_max_ms / 1000.0
-    if self.levels.rollout_async and not hasattr(env, "recv"):
-      raise ValueError("config.pipeline.rollout_async (first-ready batching) needs an env pool: "
-                       "set config.env_workers > 0")
-    self.clock = stages.StageClock(STAGES)
-    self.staleness = stages.Histogram()
+    self.clock = timing.StageClock(STAGES)
+    self.staleness = timing.Histogram()
     self.queue = queue_lib.TrajectoryQueue(
         p.queue_items if self.levels.train_async else 1 << 30, p.max_staleness)
     self.pacer = None
     if p.staleness_control == "pace" and self.levels.train_async:
-      self.pacer = queue_lib.Pacer(self.segments_per_update, p.max_staleness)
-    self._state_for_rollout: learner_lib.TrainState | None = None
+      # PPO: env segments per update; GRPO: one episode per env per update.
+      self.pacer = pacer_lib.Pacer(config.num_envs, p.max_staleness)
     self.server = None
+    self._colocated: tuple[Any, int] | None = None  # sync_colocated: the learner's params.
     if self.levels.separate_params:
-      self.server = params_lib.ParamServer(
+      self.server = broadcast_lib.ParamServer(
           rollout_shardings, learner.mesh, on_ready=self._on_broadcast,
-          gather=_is_sharded(learner), cast=p.rollout_dtype or None)
+          gather=learner.mesh.size > 1, cast=p.rollout_dtype or None)
       params_fn = self.server.latest
     else:
-      params_fn = self._colocated_params
-    if self.grpo:  # One item per GRPO group of G episodes with the same init.
-      g = config.env.group_size
-      self.items_per_update = config.num_envs // g
-      builder = episodes_lib.EpisodeBuilder(
-          config.num_envs, g,
-          episodes_lib.max_chunks_per_episode(env.spec.max_episode_steps,
-                                              config.model.chunk_len),
-          scale=config.ppo.grpo_scale)
-      self._grpo_update = grpo_update_lib.grpo_update(learner)
-      self._grpo_micro = (grpo_update_lib.grpo_micro_grads(learner) if self.levels.streamer
-                          else None)
-    else:
-      self.items_per_update = config.num_envs // p.micro_batch_segments
-      builder = rollout_lib.SegmentBuilder(config.num_envs, config.rollout_len,
-                                           p.micro_batch_segments)
+      params_fn = lambda: self._colocated
+    builder, self.items_per_update = make_builder(config, env.spec)
+    first_ready = None
+    if self.levels.rollout_async:
+      first_ready = (p.b_max or max(1, config.num_envs // 2), p.t_max_ms / 1000.0)
     self.rollout = rollout_lib.Rollout(env, policy, act_fn, value_fn, params_fn, builder, rng,
-                                       seed, clock=self.clock, pacer=self.pacer)
-    self._stop = threading.Event()
-    self._thread: threading.Thread | None = None
-    self._error: BaseException | None = None
+                                       seed, clock=self.clock, pacer=self.pacer,
+                                       first_ready=first_ready)
+    feed = _ThreadFeed if self.levels.train_async else _InlineFeed
+    self.feed = feed(self.rollout, self.queue)
     self.interrupted = False
     self.multi_process = distributed.multi_process()
     self._stop_requested = False  # Multi-process: a Ctrl-C here, agreed at the next update.
-    self._local_params = None  # Multi-process sync_colocated: this host's replica.
     # Summed over every process at each update (this process's own counts when alone).
     self.hosts_rollout_env_steps = 0
     self.hosts_dropped_env_steps = 0
     # Per update, in time order: clock seconds and the pool's worker-busy seconds then.
     self._mark_times, self._mark_busy = [0.0], [0.0]
+    self._window_start = 0.0  # Clock time of the last window_metrics() call.
 
   # ------------------------------------------------------------------ params --
-  def _colocated_params(self):
-    if self._local_params is not None:
-      return self._local_params
-    state = self._state_for_rollout
-    return state.params, int(state.step)
-
   def _on_broadcast(self, version: int, start: float, end: float) -> None:
     self.clock.add("broadcast", start, end)
     if self.pacer is not None:
       self.pacer.set_version(version)
 
   def _publish(self, state: learner_lib.TrainState, wait: bool) -> None:
-    if self.server is None:
-      self._state_for_rollout = state
-      if self.multi_process:  # The learner's arrays span hosts: act on this host's replica.
-        self._local_params = (distributed.local_replica(state.params, self.learner.mesh),
-                              int(state.step))
-    else:
+    """Makes ``state``'s params the rollout's (a broadcast unless colocated)."""
+    if self.server is not None:
       self.server.publish(state.params, int(state.step), wait=wait)
-
-  # ----------------------------------------------------------------- rollout --
-  def _rollout_step(self) -> None:
-    if self.levels.rollout_async:
-      self.rollout.step_ready(self.b_max, self.t_max_s)
+    elif self.multi_process:  # The learner's arrays span hosts: act on this host's replica.
+      self._colocated = (distributed.local_replica(state.params, self.learner.mesh),
+                         int(state.step))
     else:
-      self.rollout.step_all()
+      self._colocated = (state.params, int(state.step))
 
-  def _rollout_thread(self) -> None:
-    try:
-      while not self._stop.is_set():
-        self._rollout_step()
-        for item in self.rollout.builder.pop_items():
-          self.queue.put(item)
-    except queue_lib.Closed:
-      pass
-    except BaseException as e:  # Re-raised by the learner (with this traceback).
-      self._error = e
-      self.queue.close()
-
+  # ------------------------------------------------------------------- feed --
   def request_stop(self) -> None:
     """Stops the run before the next update (Ctrl-C); :meth:`run` returns its state.
 
@@ -243,89 +290,64 @@ class Pipeline:
       self._stop_requested = True
       return
     self.interrupted = True
-    self._stop.set()
     self.queue.close()
     if self.pacer is not None:
       self.pacer.close()
 
-  def _get(self, version: int) -> tuple[queue_lib.Item, int]:
-    """The next item for learner ``version`` (runs the rollout inline when L1 is off)."""
+  def _take(self, version: int) -> types.Item:
+    """The next item for learner ``version``; its chunks' staleness is recorded."""
     if self.interrupted:
       raise _Interrupted()
-    if self.levels.train_async:
-      try:
-        return self.queue.get(version)
-      except queue_lib.Closed:
-        self._raise_thread_error()
-        if self.interrupted:
-          raise _Interrupted() from None
-        raise
-    while True:
-      if self.interrupted:
-        raise _Interrupted()
-      if len(self.queue):
-        # Inline rollout: nothing is too stale unless first-ready segments straddle updates.
-        item, staleness = self._try_get(version)
-        if item is not None:
-          return item, staleness
-      self._rollout_step()
-      for item in self.rollout.builder.pop_items():
-        self.queue.put(item)
-
-  def _try_get(self, version: int):
     try:
-      return self.queue.get(version, timeout=0.0)
-    except TimeoutError:
-      return None, 0
+      item, _ = self.feed.get(version)
+    except types.Closed:
+      self._raise_thread_error()
+      if self.interrupted:
+        raise _Interrupted() from None
+      raise
+    self.staleness.add(version - item.versions.reshape(-1))
+    return item
 
   def _raise_thread_error(self) -> None:
-    if self._error is not None:
-      raise RuntimeError(f"the rollout thread failed: {self._error!r}") from self._error
+    error = getattr(self.feed, "error", None)
+    if error is not None:
+      raise RuntimeError(f"the rollout thread failed: {error!r}") from error
     if self.server is not None and self.server.error is not None:
       raise RuntimeError("the weight broadcast failed") from self.server.error
 
   # ----------------------------------------------------------------- learner --
   def _update(self, state: learner_lib.TrainState) -> tuple[learner_lib.TrainState, dict, int]:
     """Consumes one update's items and trains; returns ``(state, metrics, env_steps)``."""
+    if self.levels.streamer:
+      return self._streamed_update(state)
     version = int(state.step)
-    cfg = self.config.ppo
-    env_steps = 0
-    if not self.levels.streamer:
-      items = []
-      for _ in range(self.items_per_update):
-        item, staleness = self._get(version)
-        self.staleness.add(np.full(item.num_chunks, version) - item.versions.reshape(-1))
-        items.append(item)
-        env_steps += item.num_env_steps
-      with self.clock.busy("learner"):
-        if self.grpo:
-          eb = episodes_lib.concat_episode_batches([it.data for it in items])
-          state, metrics = self._grpo_update(state, eb)
-        else:
-          state, metrics = self.learner.ppo_update(state, concat_items(items))
-        metrics = jax.device_get(metrics)
-      return state, metrics, env_steps
-    per_minibatch = self.items_per_update // cfg.num_minibatches
-    if self.grpo:
-      episodes = per_minibatch * self.config.env.group_size  # Episodes per optimizer update.
-      micro = lambda params, data: self._grpo_micro(params, data, episodes)
-    else:
-      chunks = (per_minibatch * self.config.pipeline.micro_batch_segments
-                * self.config.rollout_len)
-      micro = lambda params, data: self.learner.micro_grads(params, data, chunks)
-    acc, sums = None, collections.defaultdict(float)
+    items = [self._take(version) for _ in range(self.items_per_update)]
+    with self.clock.busy("learner"):
+      state, metrics = self.learner.update(state, types.concat([it.data for it in items]))
+      metrics = jax.device_get(metrics)
+    return state, metrics, sum(it.num_env_steps for it in items)
+
+  def _streamed_update(self, state: learner_lib.TrainState
+                       ) -> tuple[learner_lib.TrainState, dict, int]:
+    """L3: each item's gradient as it arrives; one optimizer step per minibatch of items."""
+    version = int(state.step)
+    num_minibatches = self.config.ppo.num_minibatches
+    per_minibatch = self.items_per_update // num_minibatches
+    acc, sums, env_steps = None, collections.defaultdict(float), 0
     for j in range(self.items_per_update):
-      item, staleness = self._get(version)
-      self.staleness.add(np.full(item.num_chunks, version) - item.versions.reshape(-1))
+      item = self._take(version)
       env_steps += item.num_env_steps
       with self.clock.busy("learner"):
-        acc = self.learner.accumulate(acc, micro(state.params, item.data))
+        # Items are alike, so the minibatch's rows are known from its first.
+        grads = self.learner.micro_grads(state.params, item.data,
+                                         per_minibatch * item.data.num_rows)
+        acc = self.learner.accumulate(acc, grads)
         if (j + 1) % per_minibatch == 0:
           last = j + 1 == self.items_per_update
           state, metrics = self.learner.apply(state, acc, bump_version=last)
           acc = None
           for k, v in jax.device_get(metrics).items():
-            sums[k] += float(v) / cfg.num_minibatches
+            sums[k] += float(v) / num_minibatches
     return state, dict(sums), env_steps
 
   def run(self, state: learner_lib.TrainState, start_env_steps: int, total_env_steps: int,
@@ -337,9 +359,7 @@ class Pipeline:
     """
     self.clock.start()
     self._publish(state, wait=True)
-    if self.levels.train_async:
-      self._thread = threading.Thread(target=self._rollout_thread, name="rollout", daemon=True)
-      self._thread.start()
+    self.feed.start()
     env_steps = start_env_steps
     dropped_seen = rollout_seen = 0
     try:
@@ -358,10 +378,7 @@ class Pipeline:
             np.asarray([steps, dropped, rollout, self._stop_requested], np.int64)))
         self.hosts_rollout_env_steps += rollout
         self.hosts_dropped_env_steps += dropped
-        busy = self._workers_busy_s()
-        if busy is not None:
-          self._mark_times.append(self.clock.elapsed())
-          self._mark_busy.append(busy)
+        self._mark_workers()
         env_steps += steps + dropped
         on_update(UpdateInfo(state=state, metrics=metrics, env_steps=steps,
                              dropped_env_steps=dropped))
@@ -375,40 +392,36 @@ class Pipeline:
 
   def stop(self) -> None:
     """Stops the rollout thread and the broadcaster; safe to call twice."""
-    self._stop.set()
     self.queue.close()
     if self.pacer is not None:
       self.pacer.close()
-    if self._thread is not None:
-      self._thread.join(timeout=60.0)
-      if self._thread.is_alive():
-        log.error("the rollout thread did not stop within 60 s")
-      self._thread = None
+    self.feed.stop()
     if self.server is not None:
       self.server.close()
-    self._state_for_rollout = self._local_params = None  # The caller holds the state.
+    self._colocated = None  # The caller holds the state.
 
   # ----------------------------------------------------------------- metrics --
-  def total_rollout_env_steps(self) -> int:
-    """Env steps every process's rollout executed (multi-process: as of the last update)."""
-    return self.hosts_rollout_env_steps if self.multi_process else self.rollout.env_steps
-
-  def total_dropped_env_steps(self) -> int:
-    """Env steps dropped as too stale on every process (multi-process: as of the last update)."""
-    return (self.hosts_dropped_env_steps if self.multi_process
-            else self.queue.stats.dropped_env_steps)
+  def totals(self) -> dict[str, int]:
+    """Env steps every process's rollout executed and dropped as too stale
+    (multi-process: as of the last update)."""
+    if self.multi_process:
+      return dict(rollout_env_steps=self.hosts_rollout_env_steps,
+                  dropped_env_steps=self.hosts_dropped_env_steps)
+    return dict(rollout_env_steps=self.rollout.env_steps,
+                dropped_env_steps=self.queue.stats.dropped_env_steps)
 
   def in_flight(self) -> dict[str, int]:
     """Data produced but not trained on (discarded if the run stops now)."""
     segments, chunks = self.rollout.in_flight()
-    queued = list(self.queue.snapshot())
+    queued = self.queue.snapshot()
     return dict(in_flight_segments=segments + sum(it.data.log_prob.shape[1] for it in queued),
                 in_flight_chunks=chunks + sum(it.num_chunks for it in queued))
 
-  def _workers_busy_s(self) -> float | None:
-    """Seconds the env pool's workers spent stepping (None without a pool)."""
-    stats = getattr(self.env, "stats", None)
-    return getattr(stats, "worker_busy_s", None)
+  def _mark_workers(self) -> None:
+    """Notes the env pool's worker-busy seconds at this update (for windowed fractions)."""
+    if isinstance(self.env, protocol.AsyncVecEnv):
+      self._mark_times.append(self.clock.elapsed())
+      self._mark_busy.append(self.env.stats.worker_busy_s)
 
   def workers_busy(self, since: float = 0.0) -> float | None:
     """Fraction of the env workers' time spent stepping since the last update at or
@@ -417,34 +430,44 @@ class Pipeline:
     The ``env`` stage's busy fraction says when *some* env was stepping; this says
     how much of the workers' capacity was used (first-ready batching keeps it high).
     """
-    busy = self._workers_busy_s()
-    if busy is None:
+    if not isinstance(self.env, protocol.AsyncVecEnv):
       return None
     mark = max(bisect.bisect_right(self._mark_times, since) - 1, 0)
     t0, b0 = self._mark_times[mark], self._mark_busy[mark]
     span = self.clock.elapsed() - t0
-    return (busy - b0) / (self.env.num_workers * span) if span > 0 else 0.0
+    busy = self.env.stats.worker_busy_s - b0
+    return busy / (self.env.num_workers * span) if span > 0 else 0.0
 
   def metrics(self, since: float | None = None) -> dict[str, float]:
-    """Stage busy/idle fractions, staleness, queue and rollout counters."""
+    """Everything the pipeline measures, in one record.
+
+    Stage busy fractions (over the run, or since clock time ``since``), the
+    rollout's wait counters, the env workers' utilisation, staleness, queue and
+    broadcast counters, and the rollout's recent episodes (training success).
+    """
     out = dict(self.clock.fractions() if since is None else self.clock.window(since))
+    out.update(self.clock.counters())
     workers = self.workers_busy(since or 0.0)
     if workers is not None:
       out["env_workers_busy"] = workers
     out.update(self.staleness.summary("staleness"))
     out.update(self.queue.summary())
-    out.update({f"rollout_{k}": float(v) for k, v in self.rollout.timing.items()})
-    if self.pacer is not None:
-      out["pace_wait_s"] = self.pacer.wait_s
     if self.server is not None:
-      out.update(broadcast_copy_s=self.server.copy_s,
-                 broadcast_skipped_versions=float(self.server.skipped_versions))
+      out["broadcast_skipped_versions"] = float(self.server.skipped_versions)
+    out.update(self.rollout.episodes.summary())
     return out
+
+
+  def window_metrics(self) -> dict[str, float]:
+    """:meth:`metrics` since the previous call (the first: since the start)."""
+    out = self.metrics(since=self._window_start)
+    self._window_start = self.clock.elapsed()
+    return out
+
+  def save_timeline(self, path: str) -> None:
+    """Writes every stage's busy intervals as JSON (``python -m jaxvla.plot_timeline``)."""
+    self.clock.to_json(path)
 
 
 class _Interrupted(Exception):
   """request_stop() while the learner waited for data."""
-
-
-def _is_sharded(learner: learner_lib.Learner) -> bool:
-  return learner.mesh is not None and learner.mesh.size > 1

@@ -5,8 +5,8 @@ episodes of a group's ``G`` envs start alike (:mod:`jaxvla.envs.protocol`), so
 those ``G`` episodes form one GRPO group and each one's advantage is its return
 against theirs (:func:`jaxvla.algorithms.grpo.group_advantages`).
 
-:class:`EpisodeBuilder` has :class:`jaxvla.runtime.rollout.SegmentBuilder`'s
-interface, so :class:`jaxvla.runtime.rollout.Rollout` drives either. It keeps,
+:class:`EpisodeBuilder` has :class:`jaxvla.rollout.segments.SegmentBuilder`'s
+interface, so :class:`jaxvla.rollout.rollout.Rollout` drives either. It keeps,
 per env, the chunks of its current episode; when a chunk ends the episode it
 closes it with the env's :class:`EpisodeStats` and files it under
 ``(group, episode number)``. Group-mates finish at different times and an env
@@ -25,76 +25,18 @@ from __future__ import annotations
 
 import math
 
-import jax
 import numpy as np
-from flax import struct
 
+from jaxvla import types
 from jaxvla.algorithms import grpo
 from jaxvla.envs import protocol
-from jaxvla.models import policy as policy_lib
-from jaxvla.runtime import queue as queue_lib
-
-
-@struct.dataclass
-class EpisodeBatch:
-  """``E`` whole episodes padded to ``K`` chunks, chunk-major, in host memory.
-
-  Attributes:
-    batch: policy inputs (``Policy.prepare``) of each chunk, arrays ``[K, E, ...]``.
-    chain: ``[K, E, ...]`` stored sampler chains.
-    log_prob: ``[K, E]`` behaviour log-probabilities (0 on padding).
-    mask: ``bool [K, E]`` the chunk was played (False: padding).
-    advantage: ``float32 [E]`` group-normalised advantage of each episode (0 for
-      an episode lost to a worker restart, which its group's statistics leave out).
-    episode_return: ``float32 [E]`` episode returns (from the env's EpisodeStats).
-    group: ``int32 [E]`` GRPO group of each episode.
-    episode: ``int32 [E]`` episode number ``k`` (``(group, episode)`` fixes the init).
-    policy_version: ``int32 [K, E]`` version that produced each chunk (padding
-      repeats the last chunk's).
-    steps: ``int32 [K, E]`` env steps each chunk executed (0 on padding).
-  """
-  batch: dict
-  chain: np.ndarray
-  log_prob: np.ndarray
-  mask: np.ndarray
-  advantage: np.ndarray
-  episode_return: np.ndarray
-  group: np.ndarray
-  episode: np.ndarray
-  policy_version: np.ndarray
-  steps: np.ndarray
-
-  @property
-  def num_episodes(self) -> int:
-    return self.log_prob.shape[1]
-
-  @property
-  def num_env_steps(self) -> int:
-    return int(np.sum(self.steps))
+from jaxvla.models import contract
+from jaxvla.rollout.segments import rows, stack_time
 
 
 def max_chunks_per_episode(max_episode_steps: int, chunk_len: int) -> int:
   """``K``: chunks of the longest episode, ``ceil(max_episode_steps / chunk_len)``."""
   return math.ceil(max_episode_steps / chunk_len)
-
-
-def concat_episode_batches(batches: list[EpisodeBatch]) -> EpisodeBatch:
-  """Batches ``[K, E_i]`` -> one ``EpisodeBatch [K, sum E_i]`` (episode axis 1)."""
-  if not batches:
-    raise ValueError("concat_episode_batches needs at least one EpisodeBatch")
-  cat1 = lambda *xs: np.concatenate(xs, axis=1)
-  cat0 = lambda *xs: np.concatenate(xs, axis=0)
-  field = lambda name: [getattr(b, name) for b in batches]
-  return EpisodeBatch(
-      batch=jax.tree.map(cat1, *field("batch")), chain=cat1(*field("chain")),
-      log_prob=cat1(*field("log_prob")), mask=cat1(*field("mask")),
-      advantage=cat0(*field("advantage")), episode_return=cat0(*field("episode_return")),
-      group=cat0(*field("group")), episode=cat0(*field("episode")),
-      policy_version=cat1(*field("policy_version")), steps=cat1(*field("steps")))
-
-
-def _rows(tree, idx):
-  return jax.tree.map(lambda x: x[idx], tree)
 
 
 class EpisodeBuilder:
@@ -113,7 +55,7 @@ class EpisodeBuilder:
       raise ValueError(f"EpisodeBuilder: max_chunks must be >= 1, got {max_chunks}")
     self.num_envs, self.group_size, self.max_chunks = num_envs, int(group_size), max_chunks
     self.scale = scale
-    # Chunks of each env's current episode (Rollout reads `not _open[i]`: a new one starts).
+    # Chunks of each env's current episode (empty: its next chunk starts a new one).
     self._open: list[list[dict]] = [[] for _ in range(num_envs)]
     # Finished episodes waiting for their group-mates: (group, episode) -> {env_id: episode}.
     self._waiting: dict[tuple[int, int], dict[int, dict]] = {}
@@ -123,15 +65,11 @@ class EpisodeBuilder:
     """``[b]`` bool: which of ``env_ids`` start a new episode with their next chunk."""
     return np.array([not self._open[i] for i in env_ids], bool)
 
-  def starting(self, env_ids: np.ndarray) -> int:
-    """How many of ``env_ids`` start a new episode with their next chunk."""
-    return int(self.starts(env_ids).sum())
-
-  def on_act(self, env_ids: np.ndarray, batch: dict, out: policy_lib.ActOutput,
+  def on_act(self, env_ids: np.ndarray, batch: dict, out: contract.ActOutput,
              version: int) -> None:
     """Records the chunk each of ``env_ids`` ``[b]`` is about to execute."""
     for row, i in enumerate(env_ids):
-      self._open[i].append(dict(batch=_rows(batch, row), chain=np.asarray(out.chain[row]),
+      self._open[i].append(dict(batch=rows(batch, row), chain=np.asarray(out.chain[row]),
                                 log_prob=np.float32(out.log_prob[row]),
                                 version=np.int32(version)))
 
@@ -194,40 +132,34 @@ class EpisodeBuilder:
     raise RuntimeError("EpisodeBuilder.complete: GRPO episodes take no bootstrap values "
                        f"(asked for envs {np.asarray(env_ids).tolist()})")
 
-  def _episode_batch(self, members: list[dict]) -> EpisodeBatch:
+  def _episode_batch(self, members: list[dict]) -> types.EpisodeBatch:
     """One group's ``G`` episodes padded to ``K`` chunks -> ``EpisodeBatch [K, G]``."""
-    k = self.max_chunks
-    padded = []
-    for m in members:
-      chunks = m["chunks"]
-      n = len(chunks)
-      pad = [chunks[-1]] * (k - n)  # Last chunk's inputs: finite, weight 0 anyway.
-      padded.append(dict(
-          batch=jax.tree.map(lambda *xs: np.stack(xs), *[c["batch"] for c in chunks + pad]),
-          chain=np.stack([c["chain"] for c in chunks + pad]),
-          log_prob=np.array([c["log_prob"] for c in chunks] + [0.0] * (k - n), np.float32),
-          mask=np.arange(k) < n,
-          policy_version=np.array([c["version"] for c in chunks + pad], np.int32),
-          steps=np.array([c["steps"] for c in chunks] + [0] * (k - n), np.int32)))
-    stack = lambda *xs: np.stack(xs, axis=1)  # [K, G, ...]
     returns = np.array([m["episode_return"] for m in members], np.float32)
     # An episode lost to a worker restart is no outcome: it is left out of the group's
     # mean and std and gets advantage 0 (its chunks then carry no policy gradient).
     valid = np.array([not m["fault"] for m in members])
     adv = grpo.group_advantages(returns, np.zeros(len(members), np.int32), 1, scale=self.scale,
                                 valid=valid)
-    return EpisodeBatch(
-        batch=jax.tree.map(stack, *[p["batch"] for p in padded]),
-        chain=stack(*[p["chain"] for p in padded]),
-        log_prob=stack(*[p["log_prob"] for p in padded]),
-        mask=stack(*[p["mask"] for p in padded]),
-        advantage=np.asarray(adv, np.float32), episode_return=returns,
-        group=np.array([m["group"] for m in members], np.int32),
-        episode=np.array([m["episode"] for m in members], np.int32),
-        policy_version=stack(*[p["policy_version"] for p in padded]),
-        steps=stack(*[p["steps"] for p in padded]))
+    return types.stack([self._episode(m, a, r) for m, a, r in zip(members, adv, returns)])
 
-  def pop_items(self) -> list[queue_lib.Item]:
+  def _episode(self, member: dict, advantage: float, episode_return: float
+               ) -> types.EpisodeBatch:
+    """One finished episode padded to ``K`` chunks (no episode axis: fields ``[K, ...]``)."""
+    chunks = member["chunks"]
+    n, k = len(chunks), self.max_chunks
+    # Padding repeats the last chunk's inputs (finite for the policy; weight 0 anyway).
+    padded = chunks + [chunks[-1]] * (k - n)
+    played = stack_time([dict(batch=c["batch"], chain=c["chain"], policy_version=c["version"])
+                         for c in padded])
+    return types.EpisodeBatch(
+        **played,
+        log_prob=np.array([c["log_prob"] for c in chunks] + [0.0] * (k - n), np.float32),
+        mask=np.arange(k) < n,
+        steps=np.array([c["steps"] for c in chunks] + [0] * (k - n), np.int32),
+        advantage=np.float32(advantage), episode_return=np.float32(episode_return),
+        group=np.int32(member["group"]), episode=np.int32(member["episode"]))
+
+  def pop_items(self) -> list[types.Item]:
     """One item per complete group, in completion order (unfinished groups wait).
 
     ``Item.versions`` holds the played chunks' versions only (``[num_chunks]``),
@@ -237,8 +169,8 @@ class EpisodeBuilder:
     for members in self._ready:
       eb = self._episode_batch(members)
       versions = eb.policy_version[eb.mask]
-      items.append(queue_lib.Item(data=eb, versions=versions, num_chunks=int(versions.size),
-                                  num_env_steps=eb.num_env_steps))
+      items.append(types.Item(data=eb, versions=versions, num_chunks=int(versions.size),
+                              num_env_steps=eb.num_env_steps))
     self._ready = []
     return items
 

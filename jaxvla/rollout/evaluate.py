@@ -1,17 +1,22 @@
-"""Synchronous rollout: step an env batch with the current policy for T chunk steps."""
+"""Episode outcomes: the training rollout's recent success and fixed-seed evaluation.
+
+* :class:`EpisodeTracker`: the most recent finished episodes of a rollout
+  (training success rate, return, length).
+* :func:`evaluate`: one episode per env of a fixed-seed env batch, to its end,
+  with the evaluation sampler; the same episodes every call, so evaluations of
+  different params compare paired.
+"""
 
 from __future__ import annotations
 
 import collections
-import time
 from typing import Callable
 
 import jax
 import numpy as np
 
 from jaxvla.envs import protocol
-from jaxvla.models import policy as policy_lib
-from jaxvla.rollout import trajectory
+from jaxvla.models import contract
 
 
 class EpisodeTracker:
@@ -35,60 +40,12 @@ class EpisodeTracker:
         episodes=float(self.total))
 
 
-class Collector:
-  """Collects fixed-length trajectories from a :class:`protocol.VecEnv`.
-
-  Args:
-    env: the env batch (already built); it is reset with ``seed``.
-    policy: the policy contract.
-    act_fn: jitted ``(params, batch, rng) -> ActOutput`` (the training sampler).
-    value_fn: jitted ``(params, batch) -> value [B]`` for the bootstrap.
-  """
-
-  def __init__(self, env: protocol.VecEnv, policy: policy_lib.Policy,
-               act_fn: Callable, value_fn: Callable, seed: int):
-    self.env, self.policy = env, policy
-    self.act_fn, self.value_fn = act_fn, value_fn
-    self.obs = env.reset(seed)
-    self.episodes = EpisodeTracker()
-    self.timing = collections.defaultdict(float)
-
-  def collect(self, params, num_steps: int, rng: jax.Array,
-              policy_version: int = 0) -> trajectory.Trajectory:
-    """Runs ``num_steps`` chunk steps of every env; returns ``[T, B]`` data."""
-    steps, outs, rewards, dones, executed = [], [], [], [], []
-    for key in jax.random.split(rng, num_steps):
-      batch = self.policy.prepare(self.obs)
-      t0 = time.perf_counter()
-      out = jax.device_get(self.act_fn(params, batch, key))
-      t1 = time.perf_counter()
-      result = self.env.step_chunk(np.asarray(out.actions))
-      self.timing["inference_s"] += t1 - t0
-      self.timing["env_s"] += time.perf_counter() - t1
-      steps.append(batch)
-      outs.append(out)
-      rewards.append(result.reward)
-      dones.append(result.done)
-      executed.append(result.steps)
-      self.episodes.add(result.episodes)
-      self.obs = result.obs
-    bootstrap = np.asarray(self.value_fn(params, self.policy.prepare(self.obs)))
-    return trajectory.Trajectory(
-        batch=trajectory.stack_steps(steps),
-        chain=np.stack([o.chain for o in outs]),
-        log_prob=np.stack([o.log_prob for o in outs]),
-        value=np.stack([o.value for o in outs]),
-        reward=np.stack(rewards), done=np.stack(dones), steps=np.stack(executed),
-        bootstrap_value=bootstrap,
-        policy_version=np.full((num_steps, self.env.num_envs), policy_version, np.int32))
-
-
 # The keys of evaluate()'s result.
 EVAL_KEYS = ("success_rate", "episode_return", "episode_length", "num_episodes",
              "eval_env_steps")
 
 
-def evaluate(env: protocol.VecEnv, policy: policy_lib.Policy, act_fn: Callable, params,
+def evaluate(env: protocol.VecEnv, policy: contract.Policy, act_fn: Callable, params,
              rng: jax.Array, seed: int, chunk_len: int) -> dict[str, float]:
   """Runs the first episode of every env in ``env`` to its end (fixed ``seed``).
 

@@ -1,18 +1,25 @@
-"""Pipeline instrumentation: per-stage busy time, the staleness histogram, the timeline plot.
+"""Pipeline instrumentation: stage busy time, free-form counters, the staleness histogram.
+
+A leaf module: it imports nothing from jaxvla, so every component (rollout,
+learner, broadcast, benchmarks) can record into one clock without importing the
+others.
 
 :class:`StageClock` records when each named stage of the pipeline (``env``,
 ``inference``, ``learner``, ``broadcast``) is busy, from any thread. Idle is not
 recorded; it is derived (``idle = 1 - busy``), so waiting is never mistaken for
 work. A stage's busy time is the *union* of its intervals: two env workers
 stepping at once keep the ``env`` stage busy once, and a fraction never exceeds 1.
+Besides the stages, the clock holds free-form *counters* (:meth:`StageClock.count`,
+:meth:`StageClock.timed`): summed seconds of waits, compiles and the like, so that
+components keep no timing dicts of their own.
 
 :class:`Histogram` counts small non-negative integers (policy-version staleness
 of the chunks the learner trains on).
 
-:func:`plot_timeline` draws a saved timeline, one lane per stage, so the overlap
-of stages in an asynchronous run can be seen::
+The timeline record is saved with :meth:`StageClock.to_json`; plot it with
+:mod:`jaxvla.plot_timeline`::
 
-  python -m jaxvla.runtime.stages --intervals=WORKDIR/timeline.json --out=timeline.png
+  python -m jaxvla.plot_timeline --intervals=WORKDIR/timeline.json --out=timeline.png
 
 Times: the recording API (:meth:`StageClock.busy`, :meth:`StageClock.add`)
 takes readings of the clock (``time.perf_counter`` by default). The query API
@@ -32,7 +39,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -112,6 +119,11 @@ class StageClock:
   :meth:`add`. A stage's busy time is the union of its intervals, so
   overlapping intervals of one stage (several env workers) count once.
 
+  Counters are summed values under free-form names (not the stages), e.g.
+  ``with clock.timed("pace_wait_s"): ...`` or ``clock.count("dropped", 1)``;
+  unlike the stages they need no :meth:`start`, and overlapping ``timed``
+  blocks of one name add up (they are totals, not a union).
+
   Exactness: busy totals (:meth:`busy_seconds`, :meth:`fractions`) are exact
   for the whole run. The timeline record (:meth:`intervals`, :meth:`to_json`)
   keeps only the newest ``keep_intervals`` intervals per stage; dropping older
@@ -155,10 +167,11 @@ class StageClock:
     self._union = {s: _Union(cap) for s in self.stages}
     self._timeline = {s: collections.deque(maxlen=self.keep_intervals) for s in self.stages}
     self._recorded = {s: 0 for s in self.stages}
+    self._counters: dict[str, float] = {}
 
   # --------------------------------------------------------------- recording --
   def start(self) -> None:
-    """Marks the start of the run (t0) and clears everything recorded before."""
+    """Marks the start of the run (t0) and clears everything recorded before, counters too."""
     with self._lock:
       self._t0 = self._clock()
       self._reset_records()
@@ -202,6 +215,27 @@ class StageClock:
     with self._lock:
       self._check(stage)
       self._record(stage, start, end)
+
+  def count(self, name: str, value: float) -> None:
+    """Adds ``value`` to counter ``name`` (created at 0 on first use); any thread."""
+    with self._lock:
+      self._counters[name] = self._counters.get(name, 0.0) + float(value)
+
+  @contextlib.contextmanager
+  def timed(self, name: str) -> Iterator[None]:
+    """Adds the block's run time to counter ``name``, in seconds of the clock.
+
+    With the default clock that is ``time.perf_counter`` seconds; counters do
+    not need :meth:`start`.
+
+    The time is added even when the block raises: a wait cut short by an error
+    was still spent waiting.
+    """
+    start = self._clock()
+    try:
+      yield
+    finally:
+      self.count(name, self._clock() - start)
 
   def _record(self, stage: str, start: float, end: float) -> None:
     """Adds one interval; the caller holds the lock."""
@@ -288,6 +322,11 @@ class StageClock:
         out[f"{s}_busy"], out[f"{s}_idle"] = busy, 1.0 - busy
       return out
 
+  def counters(self) -> dict[str, float]:
+    """A copy of the counters: name -> sum since :meth:`start` (or since creation)."""
+    with self._lock:
+      return dict(self._counters)
+
   def recorded(self) -> dict[str, int]:
     """Intervals recorded per stage since :meth:`start`, including those the timeline dropped."""
     with self._lock:
@@ -304,7 +343,10 @@ class StageClock:
       return {s: sorted(self._timeline[s]) for s in self.stages}
 
   def to_json(self, path: str) -> None:
-    """Writes the timeline record and the exact busy totals to ``path`` (atomically)."""
+    """Writes the timeline record, the exact busy totals and the counters to ``path``.
+
+    The file is replaced atomically (written aside, then renamed).
+    """
     with self._lock:
       hi = self._clock()
       t0 = self._started()
@@ -313,6 +355,7 @@ class StageClock:
           elapsed_s=hi - t0,
           busy_seconds={s: self._busy_between(s, t0, hi) for s in self.stages},
           recorded=dict(self._recorded),
+          counters=dict(self._counters),
           intervals={s: [list(iv) for iv in sorted(self._timeline[s])] for s in self.stages},
       )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -326,7 +369,7 @@ class StageClock:
     """Loads the intervals written by :meth:`to_json` (stage -> ``[(start, end)]``).
 
     The file's other fields (``elapsed_s``, exact ``busy_seconds``,
-    ``recorded``) are plain JSON for whoever needs them.
+    ``recorded``, ``counters``) are plain JSON for whoever needs them.
     """
     with open(path, encoding="utf-8") as f:
       record = json.load(f)
@@ -407,102 +450,3 @@ class Histogram:
     if top >= _HIST_CAP:
       out[f"{prefix}_ge{_HIST_CAP}"] = sum(c for v, c in counts.items() if v >= _HIST_CAP) / total
     return out
-
-
-def _merge(intervals: Iterable[Interval]) -> list[Interval]:
-  """The union of ``intervals`` as sorted, disjoint intervals."""
-  out: list[list[float]] = []
-  for start, end in sorted(intervals):
-    if end <= start:
-      continue
-    if out and start <= out[-1][1]:
-      out[-1][1] = max(out[-1][1], end)
-    else:
-      out.append([start, end])
-  return [(a, b) for a, b in out]
-
-
-def _bounds(intervals: Mapping[str, Sequence[Interval]]) -> Interval:
-  """The earliest start and the latest end over all stages (``(0, 1)`` when empty)."""
-  starts = [s for ivs in intervals.values() for s, _ in ivs]
-  ends = [e for ivs in intervals.values() for _, e in ivs]
-  if not starts:
-    return 0.0, 1.0
-  return min(starts), max(ends)
-
-
-def plot_timeline(intervals: Mapping[str, Sequence[Interval]], out_path: str, *,
-                  t_range: tuple[float, float] | None = None, title: str = "") -> str:
-  """Draws one lane per stage with its busy intervals and writes a PNG.
-
-  Each lane shows the union of the stage's intervals inside the window and is
-  labelled with the stage's busy fraction of the window, so the overlap of
-  stages (env stepping while the learner trains) is visible at a glance.
-
-  Args:
-    intervals: stage -> ``[(start, end)]`` in seconds (:meth:`StageClock.intervals`
-      or :meth:`StageClock.from_json`); lanes follow this order, top to bottom.
-    out_path: the PNG to write; its directory is created.
-    t_range: the window ``(t0, t1)`` in seconds; default: all intervals.
-    title: the figure title.
-
-  Returns:
-    ``out_path``.
-  """
-  # Imported here (and no pyplot): training imports this module and never plots.
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
-  lo, hi = t_range if t_range is not None else _bounds(intervals)
-  if hi <= lo:
-    raise ValueError(f"empty time range [{lo}, {hi}]")
-  names = list(intervals)
-  fig = Figure(figsize=(10, 1.0 + 0.6 * max(len(names), 1)))
-  FigureCanvasAgg(fig)
-  ax = fig.add_subplot()
-  colors = [f"C{i % 10}" for i in range(len(names))]
-  labels = []
-  for lane, (name, color) in enumerate(zip(names, colors)):
-    pieces = _merge((max(s, lo), min(e, hi)) for s, e in intervals[name])
-    busy = sum(e - s for s, e in pieces) / (hi - lo)
-    y = len(names) - 1 - lane  # The first stage on top.
-    ax.broken_barh([(s, e - s) for s, e in pieces], (y - 0.4, 0.8), facecolors=color,
-                   linewidth=0)
-    labels.append((y, f"{name}\n{busy:.0%} busy"))
-  ax.set_yticks([y for y, _ in labels], [text for _, text in labels])
-  ax.set_ylim(-0.6, len(names) - 0.4)
-  ax.set_xlim(lo, hi)
-  ax.set_xlabel("seconds since start")
-  ax.grid(axis="x", alpha=0.3)
-  if title:
-    ax.set_title(title, fontsize=10)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-  fig.savefig(out_path, dpi=120)
-  return out_path
-
-
-def _cli() -> None:
-  """``python -m jaxvla.runtime.stages``: plots a timeline JSON (flags defined only here)."""
-  from absl import app, flags
-
-  intervals_path = flags.DEFINE_string("intervals", None, "StageClock.to_json file.",
-                                       required=True)
-  out = flags.DEFINE_string("out", None, "Output PNG path.", required=True)
-  t0 = flags.DEFINE_float("t0", None, "Window start in seconds (default: first interval).")
-  t1 = flags.DEFINE_float("t1", None, "Window end in seconds (default: last interval).")
-  title = flags.DEFINE_string("title", "", "Plot title.")
-
-  def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    intervals = StageClock.from_json(intervals_path.value)
-    lo, hi = _bounds(intervals)
-    t_range = (lo if t0.value is None else t0.value, hi if t1.value is None else t1.value)
-    print(plot_timeline(intervals, out.value, t_range=t_range, title=title.value))
-
-  app.run(main)
-
-
-if __name__ == "__main__":
-  _cli()

@@ -47,7 +47,7 @@ class ParamServer:
       rollout mesh, params are gathered on it first (a direct cross-mesh copy of
       sharded arrays blocks the host).
     on_ready: called with ``(version, start, end)`` when a copy has landed
-      (``time.perf_counter`` times; the pipeline records the broadcast stage).
+      (``time.perf_counter`` times; the pipeline records them as the broadcast stage).
     gather: gather on the learner mesh before copying (True when the meshes
       differ and the params are sharded).
     cast: dtype name of the rollout's floating leaves ('' or None: the
@@ -75,7 +75,6 @@ class ParamServer:
     self.error: BaseException | None = None
     self.published = 0
     self.skipped_versions = 0
-    self.copy_s = 0.0
     self._thread = threading.Thread(target=self._run, name="broadcaster", daemon=True)
     self._thread.start()
 
@@ -123,7 +122,6 @@ class ParamServer:
         t1 = time.perf_counter()
         with self._cond:
           self._current = (copied, version)
-          self.copy_s += t1 - t0
           self._cond.notify_all()
         if self.on_ready is not None:
           self.on_ready(version, t0, t1)

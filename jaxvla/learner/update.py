@@ -1,0 +1,111 @@
+"""The one RL update loop, for any :class:`jaxvla.learner.objectives.Objective`.
+
+:func:`epochs_update`: ``ppo.num_epochs`` passes over the rows of one batch,
+each shuffled with the state's key and split into ``ppo.num_minibatches``
+minibatches, one optimizer step per minibatch (``lax.scan`` over epochs and
+minibatches). Once approx. KL passes ``ppo.target_kl > 0`` the remaining
+minibatches are skipped. With the decoupled correction and more than one
+optimizer step, the proximal policy is the params before the update (their
+log-probs are computed once, per minibatch of rows).
+
+:func:`micro_grads`: the streamed learner's gradient of one micro-batch with
+global row weights; the micro-batches' gradients and metrics add up to those of
+a one-minibatch, one-epoch :func:`epochs_update` of their union.
+
+Both are pure functions of their arguments; :class:`jaxvla.learner.learner.Learner`
+jits them with the mesh's shardings.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from jaxvla.algorithms import ppo
+from jaxvla.learner.objectives import Objective
+
+
+def _uses_proximal(cfg: ml_collections.ConfigDict) -> bool:
+  """Decoupled PPO needs the pre-update log-probs once an update has several steps."""
+  return (ppo.loss_kwargs(cfg)["correction"] == "decoupled"
+          and (cfg.num_epochs > 1 or cfg.num_minibatches > 1))
+
+
+def epochs_update(objective: Objective, tx: optax.GradientTransformation,
+                  cfg: ml_collections.ConfigDict, params, opt_state, data, rng: jax.Array,
+                  constrain: Callable[[jax.Array], jax.Array] = lambda x: x):
+  """Every epoch and minibatch of one batch ``data``.
+
+  Args:
+    objective: the algorithm (rows, weights, loss).
+    tx: the optimizer; cfg: the ``ppo`` sub-config.
+    params, opt_state: before the update.
+    data: the batch (``objective.data_type``).
+    rng: the shuffling key.
+    constrain: applied to every minibatch array ``[num_minibatches, mb, ...]``
+      (the learner's sharding constraint of the row axis).
+
+  Returns:
+    ``(params, opt_state, metrics)``: metrics are means over minibatches of the
+    loss terms, ``grad_norm`` and ``skipped``, plus ``objective.batch_metrics``.
+
+  Raises:
+    ValueError: the row count is not divisible by ``ppo.num_minibatches``.
+  """
+  nm = cfg.num_minibatches
+  rows = objective.rows(data)
+  n = rows["log_prob"].shape[0]
+  if n % nm:
+    raise ValueError(f"an update of {n} rows (PPO: num_envs x rollout_len chunks; GRPO: "
+                     f"episodes) is not divisible by ppo.num_minibatches={nm}")
+  mb = n // nm
+  split = lambda x: x.reshape((nm, mb) + x.shape[1:])
+  if _uses_proximal(cfg):  # The params before this update's steps, per minibatch of rows.
+    proximal = jax.lax.map(lambda m: objective.log_prob(params, m),
+                           dict(batch=jax.tree.map(split, rows["batch"]),
+                                chain=split(rows["chain"])))
+    rows["proximal"] = jax.lax.stop_gradient(proximal.reshape(rows["log_prob"].shape))
+
+  def minibatch_step(carry, minibatch):
+    params, opt_state, stop = carry
+    (loss, metrics), grads = jax.value_and_grad(objective.loss, has_aux=True)(
+        params, minibatch, objective.weights(minibatch))
+    del loss  # (in metrics)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(stop, b, a), new, old)
+    params, opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+    if cfg.target_kl > 0:
+      stop = stop | (metrics["approx_kl"] > cfg.target_kl)
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=stop.astype(jnp.float32))
+    return (params, opt_state, stop), metrics
+
+  def epoch(carry, key):
+    perm = jax.random.permutation(key, n)
+    shuffled = jax.tree.map(lambda x: constrain(split(x[perm])), rows)
+    return jax.lax.scan(minibatch_step, carry, shuffled)
+
+  (params, opt_state, _), metrics = jax.lax.scan(
+      epoch, (params, opt_state, jnp.zeros((), bool)), jax.random.split(rng, cfg.num_epochs))
+  metrics = dict(jax.tree.map(jnp.mean, metrics), **objective.batch_metrics(data, rows))
+  return params, opt_state, metrics
+
+
+def micro_grads(objective: Objective, params, data, total_rows: jax.Array):
+  """``(grads, metrics)`` of micro-batch ``data`` in an optimizer update of ``total_rows``.
+
+  Gradients and metrics are weighted sums with global weights, so the
+  micro-batches' add up to the whole minibatch's; ``objective.batch_metrics``
+  are weighted by this micro-batch's share of the rows (means add up; a std is
+  the row-weighted mean of the micro-batches' stds).
+  """
+  rows = objective.rows(data)
+  weights = objective.streamed_weights(rows, total_rows)
+  (_, metrics), grads = jax.value_and_grad(objective.loss, has_aux=True)(params, rows, weights)
+  share = rows["log_prob"].shape[0] / total_rows
+  metrics.update({k: share * v for k, v in objective.batch_metrics(data, rows).items()})
+  return grads, metrics

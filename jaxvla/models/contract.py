@@ -1,0 +1,74 @@
+"""The policy contract the rollout, the learner and the runtime program against.
+
+A leaf of the model package: it imports only the env contract, so every policy
+family (:mod:`jaxvla.models.policy`, :mod:`jaxvla.models.action_token_vla`) and
+every user of a policy can import it without importing a family.
+
+A policy is a stateless object holding static structure; parameters are a pure
+pytree (nested dicts of arrays) so that optax, orbax and sharding code treat them
+uniformly. Every method but :meth:`Policy.prepare` is pure and jittable.
+
+* ``prepare(obs) -> batch``: host-side, observation -> arrays (tokenisation).
+* ``act(params, batch, rng, mode) -> ActOutput``: actions, the stored sampler
+  chain, its log-prob and the value.
+* ``evaluate(params, batch, chain) -> Evaluation``: log-prob of a stored chain,
+  value and entropy under the current parameters (for PPO/GRPO).
+* ``value(params, batch) -> [B]``: the state value alone (GAE bootstraps).
+* ``bc_loss(params, batch, actions, rng)``: the supervised loss on expert chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import numpy as np
+from flax import struct
+
+from jaxvla.envs import protocol
+
+Params = dict
+
+
+@struct.dataclass
+class ActOutput:
+  """What :meth:`Policy.act` returns.
+
+  Attributes:
+    actions: ``[B, H, A]`` the chunk to execute (the env's action dims).
+    chain: ``[B, K + 1, H, A_net]`` the sampler chain (flow policies: every denoise
+      state, noise first; action-token policies: ``[B, 1, H, A]`` bin indices).
+    log_prob: ``[B]`` log-probability of the chain (zeros in deterministic mode).
+    log_prob_dims: ``[B, H, A_net]`` the same per action dimension (summed over
+      denoise steps; zero on padded dims), so ``log_prob = log_prob_dims.sum((1, 2))``.
+    value: ``[B]`` state value.
+  """
+  actions: jax.Array
+  chain: jax.Array
+  log_prob: jax.Array
+  log_prob_dims: jax.Array
+  value: jax.Array
+
+
+@struct.dataclass
+class Evaluation:
+  """Log-prob ``[B]`` (and per dimension ``[B, H, A_net]``), value ``[B]`` and entropy ``[B]``."""
+  log_prob: jax.Array
+  log_prob_dims: jax.Array
+  value: jax.Array
+  entropy: jax.Array
+
+
+class Policy(Protocol):
+  chunk_len: int
+  action_dim: int
+
+  def init(self, rng: jax.Array) -> Params: ...
+  def abstract_params(self) -> Params: ...
+  def logical_axes(self) -> dict: ...
+  def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]: ...
+  def act(self, params: Params, batch: dict, rng: jax.Array, mode: str) -> ActOutput: ...
+  def evaluate(self, params: Params, batch: dict, chain: jax.Array) -> Evaluation: ...
+  def value(self, params: Params, batch: dict) -> jax.Array: ...
+  def bc_loss(self, params: Params, batch: dict, actions: jax.Array,
+              rng: jax.Array) -> jax.Array: ...
