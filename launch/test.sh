@@ -35,6 +35,14 @@ bash "$ROOT/launch/setup.sh" </dev/null
 source "$ROOT/launch/env.sh"
 cd "$ROOT"  # testpaths and the paths in pytest_args are relative to the root
 
+# XLA programs are cached on disk, keyed by the program, jax's version and flags: one that
+# many tests compile alike (the tiny policy's act, value and update) is compiled once, and
+# the subprocesses of the resume and multi-host tests reuse it. A cache entry can only
+# replace a compilation of the same program, so no test checks less.
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$ROOT/.cache/jax}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
+
 failed=()
 
 # run_step NAME PYTEST_ARGS...: runs pytest with stdin closed (a test that prompts fails

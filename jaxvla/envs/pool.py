@@ -1,19 +1,23 @@
 """EnvPool: host worker processes stepping envs, with first-ready dynamic batching.
 
-This file owns the process side of environment stepping (the L2 asynchrony of
-DESIGN.md): ``num_envs / envs_per_worker`` worker processes each own
-``envs_per_worker`` single-env batches built by a picklable ``env_fn``, execute
-whole action chunks (one round trip per chunk), and write observations straight
-into shared memory (``images uint8 [num_envs, N_cam, H, W, 3]``,
-``state float32 [num_envs, S]``); only small per-env scalars, instructions and
-:class:`protocol.EpisodeStats` travel through the pipes.
+This file owns the parent side of process-based env stepping: starting,
+watching and restarting the workers, and the per-env bookkeeping that turns
+their replies into :class:`protocol.ChunkStep` results. The worker process and
+the messages it exchanges live in :mod:`jaxvla.envs.worker`.
+
+``num_envs / envs_per_worker`` worker processes each own ``envs_per_worker``
+single-env batches built by a picklable ``env_fn``, execute whole action chunks
+(one round trip per chunk), and write observations straight into shared memory
+(``images uint8 [num_envs, N_cam, H, W, 3]``, ``state float32 [num_envs, S]``);
+only small per-env scalars, instructions and :class:`protocol.EpisodeStats`
+travel through the pipes.
 
 Two ways to drive it:
 
 * asynchronous: ``send(actions [b, H, A], env_ids [b])`` then
   ``recv(b_max, t_max_s) -> (env_ids [b'], ChunkStep)``, which returns once
   ``b_max`` envs are ready or ``t_max_s`` after the first of them became ready
-  (the paper's trigger ``batch >= B_max or waited >= T_max``);
+  (the dynamic-batching trigger ``batch >= B_max or waited >= T_max``);
 * synchronous: ``step_chunk(actions [num_envs, H, A])`` (the :class:`VecEnv`
   protocol), used by the baselines.
 
@@ -41,29 +45,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import math
 import multiprocessing as mp
-import signal
 import time
-import traceback
 import weakref
 from multiprocessing import connection
 from multiprocessing import shared_memory
-from typing import Any, Callable
+from typing import Any, NoReturn
 
 import ml_collections
 import numpy as np
 
 from jaxvla.envs import protocol
+from jaxvla.envs import worker
 
-EnvFn = Callable[[int, int, int], protocol.VecEnv]
+__all__ = ["ConfigEnvFn", "EnvFn", "EnvPool", "EnvState", "PoolStats", "config_env_fn",
+           "env_seed"]
+
+EnvFn = worker.EnvFn
+env_seed = worker.env_seed  # Part of the pool's API: the seeds its envs are built with.
 
 _JOIN_TIMEOUT_S = 5.0
-
-
-def env_seed(seed: int, env_id: int, generation: int = 0) -> int:
-  """Seed of global env ``env_id`` for ``reset(seed)`` after ``generation`` restarts."""
-  return int(np.random.SeedSequence([seed, env_id, generation]).generate_state(1)[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,134 +111,109 @@ class PoolStats:
   worker_busy_s: float = 0.0
 
 
-@dataclasses.dataclass
-class _Ready:
-  """One env's result, waiting in the parent to be returned by ``recv``."""
-  env_id: int
-  ready_at: float  # time.monotonic() at which the worker finished (same clock system-wide).
-  reward: float
-  terminated: bool
-  truncated: bool
-  success: bool
-  steps: int
-  episodes: list[protocol.EpisodeStats]
+class EnvState(enum.Enum):
+  """Where one env of the pool stands between the caller and its worker."""
+  NEW = "new"  # Not reset yet (or being reset): a restart loses no episode of it.
+  IDLE = "idle"  # The caller holds its latest observation; it may be sent a chunk.
+  IN_FLIGHT = "in flight"  # A chunk was sent to its worker; no result yet.
+  READY = "ready"  # Its result arrived and waits to be returned by recv().
 
 
 class _WorkerLost(Exception):
   """A worker died or timed out (internal; turned into a restart)."""
 
 
-# ------------------------------------------------------------------ worker --
-def _attach(names: tuple[str, str], num_envs: int, image_shape: tuple[int, ...],
-            state_dim: int) -> tuple[list[shared_memory.SharedMemory], np.ndarray, np.ndarray]:
-  """Attaches the observation segments; returns them and ``images``/``state`` views."""
-  shms = [shared_memory.SharedMemory(name=n) for n in names]
-  images = np.ndarray((num_envs, *image_shape), np.uint8, buffer=shms[0].buf)
-  state = np.ndarray((num_envs, state_dim), np.float32, buffer=shms[1].buf)
-  return shms, images, state
+# ---------------------------------------------------------------- processes --
+@dataclasses.dataclass(frozen=True)
+class _Sent:
+  """A command a worker has not answered yet."""
+  env_ids: list[int]  # Global ids of the envs it runs, in the command's order.
+  sent_at: float  # time.monotonic() when it was sent.
 
 
-def _task_name(env: Any) -> str:
-  return str(getattr(env, "task_name", type(env).__name__))
-
-
-def _worker_main(conn: connection.Connection, env_fn: EnvFn, first_env_id: int, count: int,
-                 build_seed: int, shm_names: tuple[str, str], num_envs: int,
-                 image_shape: tuple[int, ...], state_dim: int) -> None:
-  """Worker process: owns global envs ``first_env_id .. first_env_id + count - 1``.
-
-  Env ``first_env_id + j`` is built alone by ``env_fn(first_env_id + j, 1, ...)``
-  and reports its global group and episode numbers itself.
-
-  Commands (parent -> worker), answered in order:
-    ("reset", seed, first_episode [count]) -> ("reset", instructions [count], ready_at)
-    ("step", local [b], actions [b, H, A]) -> ("step", results, instructions [b], ready_at)
-    ("close",) -> exits.
-  Any simulator exception is answered by ("error", env_ids, task, traceback).
-  """
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
-  ids = list(range(first_env_id, first_env_id + count))
-  shms, images, state = _attach(shm_names, num_envs, image_shape, state_dim)
-  envs: list[Any] = []
-  try:
-    try:
-      envs = [env_fn(i, 1, env_seed(build_seed, i)) for i in ids]
-      sizes = [int(env.group_size) for env in envs]
-      groups = [int(np.asarray(env.group_ids())[0]) for env in envs]
-    except Exception:  # Reported to the parent, which raises it.
-      conn.send(("error", ids, type(env_fn).__name__, traceback.format_exc()))
-      return
-    conn.send(("ready", envs[0].spec, _task_name(envs[0]), sizes, groups))
-    while True:
-      try:
-        msg = conn.recv()
-      except EOFError:  # The parent is gone.
-        return
-      if msg[0] == "close":
-        return
-      current = ids
-      try:
-        if msg[0] == "reset":
-          _, seed, first_episode = msg
-          instr = []
-          for j, env in enumerate(envs):
-            current = [ids[j]]
-            obs = env.reset(seed, first_episode=np.array(first_episode[j:j + 1], np.int64))
-            images[ids[j]], state[ids[j]] = obs.images[0], obs.state[0]
-            instr.append(str(obs.instruction[0]))
-          conn.send(("reset", instr, time.monotonic()))
-        else:
-          _, local, actions = msg
-          results, instr = [], []
-          for k, j in enumerate(local):
-            current = [ids[j]]
-            out = envs[j].step_chunk(actions[k:k + 1])
-            images[ids[j]], state[ids[j]] = out.obs.images[0], out.obs.state[0]
-            instr.append(str(out.obs.instruction[0]))
-            eps = [dataclasses.replace(e, env_id=ids[j]) for e in out.episodes]
-            results.append((float(out.reward[0]), bool(out.terminated[0]),
-                            bool(out.truncated[0]), bool(out.success[0]), int(out.steps[0]),
-                            eps))
-          conn.send(("step", results, instr, time.monotonic()))
-      except Exception:  # Reported to the parent, which raises it.
-        task = _task_name(envs[ids.index(current[0])])
-        conn.send(("error", current, task, traceback.format_exc()))
-  finally:
-    for env in envs:
-      env.close()
-    del images, state  # Views must go before the segments close.
-    for shm in shms:
-      shm.close()
-
-
-# ------------------------------------------------------------------ parent --
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Worker:
-  """Parent-side handle of one worker process."""
+  """Parent-side handle of one worker process: its process, pipe and unanswered commands."""
   index: int
   first_env_id: int
   count: int
-  process: Any = None
+  process: Any = None  # multiprocessing Process, None before the first start.
   conn: connection.Connection | None = None
   generation: int = 0  # Restarts so far: new construction seeds for the fresh envs.
-  # Commands sent and not answered yet: (global env ids, monotonic time sent).
-  outstanding: collections.deque = dataclasses.field(default_factory=collections.deque)
+  outstanding: collections.deque[_Sent] = dataclasses.field(default_factory=collections.deque)
   busy_since: float = 0.0  # When the oldest outstanding command started executing.
 
   @property
   def env_ids(self) -> range:
     return range(self.first_env_id, self.first_env_id + self.count)
 
+  def start(self, ctx: Any, env_fn: EnvFn, build_seed: int, obs: worker.SharedObs) -> None:
+    """Starts a fresh process running :func:`worker.worker_main` for this worker's envs."""
+    parent_conn, child_conn = ctx.Pipe(duplex=True)
+    process = ctx.Process(
+        target=worker.worker_main, name=f"jaxvla-env-worker-{self.index}", daemon=True,
+        kwargs=dict(conn=child_conn, env_fn=env_fn, first_env_id=self.first_env_id,
+                    count=self.count, build_seed=build_seed, obs=obs))
+    try:
+      process.start()
+    except BaseException:
+      parent_conn.close()
+      raise
+    finally:
+      child_conn.close()  # Only the worker holds its end: its death reads as EOF here.
+    self.process, self.conn = process, parent_conn
+
+  def send(self, command: worker.Command) -> None:
+    """Sends ``command``; raises ``OSError`` if the worker is gone (broken pipe)."""
+    self.conn.send(command)
+
+  def recv(self, timeout_s: float, what: str) -> worker.Reply:
+    """Receives one reply within ``timeout_s`` or raises ``_WorkerLost`` (``what``: for errors)."""
+    ready = connection.wait([self.conn, self.process.sentinel], timeout_s)
+    if self.conn in ready or self.conn.poll():
+      try:
+        return self.conn.recv()
+      except (EOFError, OSError) as e:
+        raise _WorkerLost(f"worker {self.index} exited during {what}") from e
+    if ready:
+      self.process.join(_JOIN_TIMEOUT_S)
+      raise _WorkerLost(f"worker {self.index} exited during {what} "
+                        f"(exit code {self.process.exitcode})")
+    raise _WorkerLost(f"worker {self.index} did not answer {what} within {timeout_s} s")
+
+  def kill(self) -> None:
+    """Kills the process (if alive) and closes the pipe; idempotent."""
+    if self.process is not None:
+      if self.process.is_alive():
+        self.process.kill()
+      self.process.join(_JOIN_TIMEOUT_S)
+    if self.conn is not None:
+      self.conn.close()
+      self.conn = None
+
+  def request_close(self) -> None:
+    """Asks a live worker to close its envs and exit."""
+    if self.conn is None or self.process is None or not self.process.is_alive():
+      return
+    try:
+      self.conn.send(worker.Close())
+    except OSError:  # Already gone: stop() returns at once.
+      pass
+
+  def stop(self, deadline: float) -> None:
+    """Waits for the process to exit until ``deadline`` (monotonic), then terminates it."""
+    if self.process is None:
+      return
+    self.process.join(max(0.0, deadline - time.monotonic()))
+    if self.process.is_alive():
+      self.process.terminate()
+      self.process.join(_JOIN_TIMEOUT_S)
+
 
 def _cleanup(workers: list[_Worker], shms: list[shared_memory.SharedMemory]) -> None:
   """Kills what is still running and unlinks the segments (idempotent; also at exit)."""
   for w in workers:
-    if w.process is not None and w.process.is_alive():
-      w.process.kill()
-      w.process.join(_JOIN_TIMEOUT_S)
-    if w.conn is not None:
-      w.conn.close()
-      w.conn = None
+    w.kill()
   for shm in shms:
     try:
       shm.unlink()
@@ -243,6 +221,184 @@ def _cleanup(workers: list[_Worker], shms: list[shared_memory.SharedMemory]) -> 
       pass
 
 
+# -------------------------------------------------------------- bookkeeping --
+@dataclasses.dataclass(frozen=True)
+class _Ready:
+  """One env's outcome, waiting in the parent to be returned by ``recv``."""
+  ready_at: float  # time.monotonic() at which the worker finished (or the fault was seen).
+  outcome: worker.EnvOutcome
+
+
+class _EnvBook:
+  """Per-env bookkeeping of the pool: states, results waiting for ``recv``, episode counters.
+
+  Knows nothing of processes: the pool tells it what happened (a reset, a chunk
+  sent, a result received, a worker restarted) and takes the ready results.
+  """
+
+  def __init__(self, num_envs: int):
+    self.state = [EnvState.NEW] * num_envs
+    self.ready: dict[int, _Ready] = {}
+    # Idle envs whose episode a restart ended: reported as the result of their next send.
+    self.lost: dict[int, worker.EnvOutcome] = {}
+    self.instruction = np.full(num_envs, "", dtype=object)  # [num_envs] of the latest obs.
+    self.episode = np.zeros(num_envs, np.int64)  # Number k of each env's current episode.
+    self._ep_return = np.zeros(num_envs, np.float64)
+    self._ep_length = np.zeros(num_envs, np.int64)
+
+  def all_idle(self) -> bool:
+    """Whether the caller holds every env's latest observation (none is in flight or ready)."""
+    return all(s is EnvState.IDLE for s in self.state)
+
+  def start_reset(self) -> None:
+    """Forgets every result and starts counting episodes from 0 again."""
+    self.ready.clear()
+    self.lost.clear()
+    self.state = [EnvState.NEW] * len(self.state)
+    self.episode[:] = 0
+
+  def finish_reset(self) -> None:
+    """Every env holds the first observation of an episode."""
+    self.state = [EnvState.IDLE] * len(self.state)
+    self._ep_return[:] = 0.0
+    self._ep_length[:] = 0
+
+  def start_chunk(self, env_id: int, now: float) -> bool:
+    """Marks ``env_id`` sent a chunk; returns whether its worker must step it.
+
+    An env whose episode a restart ended does not step: the fault is its result.
+    """
+    if env_id in self.lost:
+      self.ready[env_id] = _Ready(ready_at=now, outcome=self.lost.pop(env_id))
+      self.state[env_id] = EnvState.READY
+      return False
+    self.state[env_id] = EnvState.IN_FLIGHT
+    return True
+
+  def record(self, env_id: int, outcome: worker.EnvOutcome, instruction: str,
+             ready_at: float) -> None:
+    """Stores a worker's result for ``env_id`` and advances its episode counters."""
+    self.ready[env_id] = _Ready(ready_at=ready_at, outcome=outcome)
+    self.state[env_id] = EnvState.READY
+    self.instruction[env_id] = instruction
+    if outcome.terminated or outcome.truncated:  # The env auto-reset into its next episode.
+      self._ep_return[env_id], self._ep_length[env_id] = 0.0, 0
+      self.episode[env_id] += 1
+    else:
+      self._ep_return[env_id] += outcome.reward
+      self._ep_length[env_id] += outcome.steps
+
+  def worker_restarted(self, env_ids: range, groups: np.ndarray, now: float) -> int:
+    """Turns each env's next result into a fault after its worker restarted.
+
+    An episode under way is lost (reported truncated with its number ``k``); the
+    fresh env starts episode ``k + 1``, or ``k`` again if episode ``k`` had not
+    taken a step yet, so its episode numbers stay aligned with its group's.
+
+    Returns:
+      The number of episodes lost.
+    """
+    num_lost = 0
+    for i in env_ids:
+      state = self.state[i]
+      if state is EnvState.NEW:
+        continue
+      lost = self._end_episode(i, int(groups[i]), in_flight=state is EnvState.IN_FLIGHT)
+      num_lost += len(lost)
+      if state is EnvState.READY:  # Its obs row is about to be overwritten.
+        r = self.ready[i]
+        outcome = dataclasses.replace(r.outcome, truncated=True,
+                                      episodes=r.outcome.episodes + lost)
+        self.ready[i] = _Ready(ready_at=r.ready_at, outcome=outcome)
+      elif state is EnvState.IN_FLIGHT:
+        self.ready[i] = _Ready(ready_at=now, outcome=worker.EnvOutcome.lost(lost))
+        self.state[i] = EnvState.READY
+      else:  # Idle, maybe already lost by an earlier restart: reported by its next send.
+        earlier = self.lost[i].episodes if i in self.lost else ()
+        self.lost[i] = worker.EnvOutcome.lost(earlier + lost)
+    return num_lost
+
+  def _end_episode(self, env_id: int, group: int,
+                   in_flight: bool) -> tuple[protocol.EpisodeStats, ...]:
+    """Ends ``env_id``'s episode under way, if it took a step or was stepping."""
+    lost = ()
+    if in_flight or self._ep_length[env_id] > 0:
+      lost = (protocol.EpisodeStats(
+          env_id=env_id, group=group, episode=int(self.episode[env_id]),
+          episode_return=float(self._ep_return[env_id]),
+          length=int(self._ep_length[env_id]), success=False, truncated=True, fault=True),)
+      self.episode[env_id] += 1
+    self._ep_return[env_id], self._ep_length[env_id] = 0.0, 0
+    return lost
+
+  def first_ready_at(self) -> float:
+    """When the earliest of the ready results finished (monotonic)."""
+    return min(r.ready_at for r in self.ready.values())
+
+  def earliest_ready(self, n: int) -> list[int]:
+    """Up to ``n`` ready env ids, the earliest finished first (ties by id)."""
+    return sorted(self.ready, key=lambda i: (self.ready[i].ready_at, i))[:n]
+
+  def take(self, env_ids: list[int]) -> list[worker.EnvOutcome]:
+    """Pops the ready outcomes of ``env_ids``; the caller now holds their observations."""
+    for i in env_ids:
+      self.state[i] = EnvState.IDLE
+    return [self.ready.pop(i).outcome for i in env_ids]
+
+
+def _chunk_step(obs: protocol.Observation,
+                outcomes: list[worker.EnvOutcome]) -> protocol.ChunkStep:
+  """The ChunkStep of ``outcomes`` ``[b]`` with observations ``obs`` ``[b]``."""
+  return protocol.ChunkStep(
+      obs=obs, reward=np.array([o.reward for o in outcomes], np.float32),
+      terminated=np.array([o.terminated for o in outcomes], bool),
+      truncated=np.array([o.truncated for o in outcomes], bool),
+      success=np.array([o.success for o in outcomes], bool),
+      steps=np.array([o.steps for o in outcomes], np.int32),
+      episodes=[e for o in outcomes for e in o.episodes])
+
+
+def _in_env_order(parts: list[tuple[np.ndarray, protocol.ChunkStep]]) -> protocol.ChunkStep:
+  """Concatenates ``recv`` results ``(env_ids, ChunkStep)`` covering every env once, by env id."""
+  order = np.argsort(np.concatenate([ids for ids, _ in parts]))
+  steps = [step for _, step in parts]
+
+  def cat(arrays) -> np.ndarray:
+    return np.concatenate(list(arrays))[order]
+
+  obs = protocol.Observation(cat(s.obs.images for s in steps), cat(s.obs.state for s in steps),
+                             cat(s.obs.instruction for s in steps))
+  return protocol.ChunkStep(
+      obs=obs, reward=cat(s.reward for s in steps), terminated=cat(s.terminated for s in steps),
+      truncated=cat(s.truncated for s in steps), success=cat(s.success for s in steps),
+      steps=cat(s.steps for s in steps),
+      episodes=sorted((e for s in steps for e in s.episodes), key=lambda e: e.env_id))
+
+
+def _check_pool_args(num_envs: int, envs_per_worker: int, start_method: str,
+                     step_timeout_s: float) -> None:
+  if num_envs < 1 or envs_per_worker < 1 or num_envs % envs_per_worker:
+    raise ValueError(f"envs_per_worker={envs_per_worker} must divide num_envs={num_envs} "
+                     "(both >= 1)")
+  if start_method not in ("spawn", "forkserver"):
+    raise ValueError(f"start_method={start_method!r} is not 'spawn' or 'forkserver'")
+  if step_timeout_s <= 0:
+    raise ValueError(f"step_timeout_s={step_timeout_s} must be > 0")
+
+
+def _for_pool(env_fn: EnvFn, num_envs: int) -> EnvFn:
+  """``env_fn``, with a :class:`ConfigEnvFn` given the pool's ``num_envs``."""
+  if not isinstance(env_fn, ConfigEnvFn):
+    return env_fn
+  if env_fn.num_envs is None:
+    return dataclasses.replace(env_fn, num_envs=num_envs)
+  if env_fn.num_envs != num_envs:
+    raise ValueError(f"env_fn was made for num_envs={env_fn.num_envs}, but the pool has "
+                     f"num_envs={num_envs}")
+  return env_fn
+
+
+# --------------------------------------------------------------------- pool --
 class EnvPool:
   """``num_envs`` envs stepped by worker processes (implements :class:`protocol.VecEnv`).
 
@@ -265,58 +421,26 @@ class EnvPool:
   def __init__(self, env_fn: EnvFn, num_envs: int, envs_per_worker: int,
                spec: protocol.EnvSpec, *, step_timeout_s: float,
                start_method: str = "spawn", seed: int = 0, start_timeout_s: float = 120.0):
-    if num_envs < 1 or envs_per_worker < 1 or num_envs % envs_per_worker:
-      raise ValueError(f"envs_per_worker={envs_per_worker} must divide num_envs={num_envs} "
-                       "(both >= 1)")
-    if start_method not in ("spawn", "forkserver"):
-      raise ValueError(f"start_method={start_method!r} is not 'spawn' or 'forkserver'")
-    if step_timeout_s <= 0:
-      raise ValueError(f"step_timeout_s={step_timeout_s} must be > 0")
-    if isinstance(env_fn, ConfigEnvFn):
-      if env_fn.num_envs is None:
-        env_fn = dataclasses.replace(env_fn, num_envs=num_envs)
-      elif env_fn.num_envs != num_envs:
-        raise ValueError(f"env_fn was made for num_envs={env_fn.num_envs}, but the pool has "
-                         f"num_envs={num_envs}")
+    _check_pool_args(num_envs, envs_per_worker, start_method, step_timeout_s)
     self.spec, self.num_envs = spec, num_envs
     self.group_size = 0  # Read from the workers' envs (env.group_size) at start.
     self._groups = np.zeros(num_envs, np.int64)
     self.stats = PoolStats()
-    self._env_fn, self._seed = env_fn, seed
+    self._env_fn, self._seed = _for_pool(env_fn, num_envs), seed
     self._step_timeout_s, self._start_timeout_s = step_timeout_s, start_timeout_s
     self._ctx = mp.get_context(start_method)
-    self._image_shape = (len(spec.camera_names), *spec.image_shape)
-    self._shms = [
-        shared_memory.SharedMemory(create=True, size=max(1, num_envs * math.prod(shape) * item))
-        for shape, item in ((self._image_shape, 1), ((spec.state_dim,), 4))]
-    self._workers = [_Worker(w, w * envs_per_worker, envs_per_worker)
+    self._obs_layout, self._shms = worker.SharedObs.create(
+        num_envs, (len(spec.camera_names), *spec.image_shape), spec.state_dim)
+    self._workers = [_Worker(index=w, first_env_id=w * envs_per_worker, count=envs_per_worker)
                      for w in range(num_envs // envs_per_worker)]
     # Kills workers and unlinks shared memory even if close() is never called.
     self._finalizer = weakref.finalize(self, _cleanup, self._workers, self._shms)
-    self._images = np.ndarray((num_envs, *self._image_shape), np.uint8, buffer=self._shms[0].buf)
-    self._state = np.ndarray((num_envs, spec.state_dim), np.float32, buffer=self._shms[1].buf)
-    self._instruction = np.full(num_envs, "", dtype=object)
-    self._owner = np.repeat(np.arange(len(self._workers)), envs_per_worker)
-    # Per env: 'new' (before reset), 'idle' (caller holds its obs), 'flight', 'ready'.
-    self._status = np.full(num_envs, "new", dtype=object)
-    self._ready: dict[int, _Ready] = {}
-    self._pending_fault: dict[int, _Ready] = {}  # Idle envs whose episode a restart ended.
-    self._ep_return = np.zeros(num_envs, np.float64)
-    self._ep_length = np.zeros(num_envs, np.int64)
-    self._episode = np.zeros(num_envs, np.int64)  # Number k of each env's current episode.
-    self._reset_seed: int | None = None
+    self._images, self._state = self._obs_layout.views(self._shms)
+    self._owner = np.repeat(np.arange(len(self._workers)), envs_per_worker)  # Worker of env i.
+    self._book = _EnvBook(num_envs)
+    self._reset_seed: int | None = None  # None until reset(): send() is refused.
     self._closed = False
-    try:
-      for w in self._workers:
-        self._spawn(w)
-      for w in self._workers:
-        self._await_ready(w)
-    except _WorkerLost as e:
-      self.close()
-      raise RuntimeError(f"an env worker failed to start: {e}") from e
-    except BaseException:
-      self.close()
-      raise
+    self._start_workers()
 
   # -------------------------------------------------------------- lifecycle --
   @property
@@ -328,7 +452,7 @@ class EnvPool:
   def num_workers(self) -> int:
     return len(self._workers)
 
-  def worker_env_ids(self, worker: int) -> list[int]:
+  def worker_env_ids(self, worker: int) -> list[int]:  # pylint: disable=redefined-outer-name
     """Global env ids owned by worker ``worker``."""
     return list(self._workers[worker].env_ids)
 
@@ -336,81 +460,22 @@ class EnvPool:
     """``int64 [num_envs]``: the GRPO group of each env (``env id // group_size``)."""
     return self._groups.copy()
 
-  def _spawn(self, w: _Worker) -> None:
-    parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-    process = self._ctx.Process(
-        target=_worker_main, name=f"jaxvla-env-worker-{w.index}", daemon=True,
-        args=(child_conn, self._env_fn, w.first_env_id, w.count,
-              env_seed(self._seed, w.index, w.generation),
-              tuple(s.name for s in self._shms), self.num_envs, self._image_shape,
-              self.spec.state_dim))
-    try:
-      process.start()
-    except BaseException:
-      parent_conn.close()
-      raise
-    finally:
-      child_conn.close()  # Only the worker holds its end: its death reads as EOF here.
-    w.process, w.conn = process, parent_conn
-
-  def _await_ready(self, w: _Worker) -> None:
-    msg = self._recv_one(w, self._start_timeout_s, "start")
-    if msg[0] != "ready":
-      self._raise_worker_error(w, msg, restart=False)
-    _, spec, task, sizes, groups = msg
-    if spec != self.spec:
-      raise ValueError(f"worker {w.index} ({task}) built envs with spec {spec}, "
-                       f"but the pool was given {self.spec}")
-    if not self.group_size:  # The first worker to answer sets the pool's groups.
-      protocol.group_layout(sizes[0], self.num_envs)  # ValueError naming env.group_size.
-      self.group_size = sizes[0]
-      self._groups = np.arange(self.num_envs, dtype=np.int64) // self.group_size
-    expected = self._groups[list(w.env_ids)].tolist()
-    if any(g != self.group_size for g in sizes) or groups != expected:
-      raise ValueError(
-          f"worker {w.index} ({task}) built env ids {list(w.env_ids)} in groups {groups} "
-          f"with env.group_size={sizes}, but the pool expects groups {expected} "
-          f"(env.group_size={self.group_size}): env_fn(first_env_id, 1, seed) must build "
-          f"global env first_env_id of num_envs={self.num_envs}")
-
-  def _recv_one(self, w: _Worker, timeout_s: float, what: str) -> tuple:
-    """Receives one message from ``w`` within ``timeout_s`` or raises ``_WorkerLost``."""
-    ready = connection.wait([w.conn, w.process.sentinel], timeout_s)
-    if w.conn in ready or w.conn.poll():
-      try:
-        return w.conn.recv()
-      except (EOFError, OSError) as e:
-        raise _WorkerLost(f"worker {w.index} exited during {what}") from e
-    if ready:
-      w.process.join(_JOIN_TIMEOUT_S)
-      raise _WorkerLost(f"worker {w.index} exited during {what} "
-                        f"(exit code {w.process.exitcode})")
-    raise _WorkerLost(f"worker {w.index} did not answer {what} within {timeout_s} s")
-
   def close(self) -> None:
     """Stops every worker (join with timeout, then kill) and unlinks the shared memory."""
     if self._closed:
       return
     self._closed = True
     for w in self._workers:
-      if w.conn is not None and w.process is not None and w.process.is_alive():
-        try:
-          w.conn.send(("close",))
-        except OSError:  # Already gone: the join below returns at once.
-          pass
+      w.request_close()
     deadline = time.monotonic() + _JOIN_TIMEOUT_S
     for w in self._workers:
-      if w.process is not None:
-        w.process.join(max(0.0, deadline - time.monotonic()))
-        if w.process.is_alive():
-          w.process.terminate()
-          w.process.join(_JOIN_TIMEOUT_S)
+      w.stop(deadline)
     del self._images, self._state  # Views must go before the segments close.
     for shm in self._shms:
       shm.close()
     self._finalizer()
 
-  def __enter__(self) -> "EnvPool":
+  def __enter__(self) -> EnvPool:
     return self
 
   def __exit__(self, *exc_info) -> None:
@@ -419,6 +484,80 @@ class EnvPool:
   def _check_open(self) -> None:
     if self._closed:
       raise RuntimeError("EnvPool is closed")
+
+  def _start_workers(self) -> None:
+    """Starts every worker (in parallel) and checks its envs; closes the pool on failure."""
+    try:
+      for w in self._workers:
+        self._spawn(w)
+      for w in self._workers:
+        self._await_started(w)
+    except _WorkerLost as e:
+      self.close()
+      raise RuntimeError(f"an env worker failed to start: {e}") from e
+    except BaseException:
+      self.close()
+      raise
+
+  def _spawn(self, w: _Worker) -> None:
+    w.start(self._ctx, self._env_fn, env_seed(self._seed, w.index, w.generation),
+            self._obs_layout)
+
+  def _await_started(self, w: _Worker) -> None:
+    """Waits for ``w``'s :class:`worker.Started` and checks its spec and groups."""
+    started = self._expect(w, w.recv(self._start_timeout_s, "start"), worker.Started)
+    if started.spec != self.spec:
+      raise ValueError(f"worker {w.index} ({started.task}) built envs with spec "
+                       f"{started.spec}, but the pool was given {self.spec}")
+    sizes, groups = list(started.group_sizes), list(started.groups)
+    if not self.group_size:  # The first worker to answer sets the pool's groups.
+      protocol.group_layout(sizes[0], self.num_envs)  # ValueError naming env.group_size.
+      self.group_size = sizes[0]
+      self._groups = np.arange(self.num_envs, dtype=np.int64) // self.group_size
+    expected = self._groups[list(w.env_ids)].tolist()
+    if any(g != self.group_size for g in sizes) or groups != expected:
+      raise ValueError(
+          f"worker {w.index} ({started.task}) built env ids {list(w.env_ids)} in groups "
+          f"{groups} with env.group_size={sizes}, but the pool expects groups {expected} "
+          f"(env.group_size={self.group_size}): env_fn(first_env_id, 1, seed) must build "
+          f"global env first_env_id of num_envs={self.num_envs}")
+
+  # ---------------------------------------------------------------- restart --
+  def _restart(self, w: _Worker, *, died: bool = False, hung: bool = False) -> None:
+    """Kills ``w``, starts a fresh one and turns each of its envs' next result into a fault."""
+    self.stats.restarts += 1
+    self.stats.died += int(died)
+    self.stats.hung += int(hung)
+    w.kill()
+    w.outstanding.clear()
+    w.generation += 1
+    self.stats.truncated_by_fault += self._book.worker_restarted(
+        w.env_ids, self._groups, time.monotonic())
+    try:
+      self._spawn(w)
+      self._await_started(w)
+      if self._reset_seed is not None:  # Fresh envs start their next episode.
+        self._send_reset(w)
+        self._apply_reset(w, w.recv(self._step_timeout_s, "reset after restart"))
+    except _WorkerLost as e:
+      raise RuntimeError(f"worker {w.index} (env ids {list(w.env_ids)}) failed again right "
+                         f"after a restart: {e}") from e
+
+  def _expect(self, w: _Worker, reply: worker.Reply, kind: type) -> Any:
+    """Returns ``reply`` if it is a ``kind``, else raises what it reports (no restart)."""
+    if not isinstance(reply, kind):
+      self._raise_worker_error(w, reply, restart=False)
+    return reply
+
+  def _raise_worker_error(self, w: _Worker, reply: worker.Reply, *, restart: bool) -> NoReturn:
+    """Raises the simulator exception reported by ``reply`` (restarting ``w`` first)."""
+    if not isinstance(reply, worker.WorkerError):
+      raise RuntimeError(f"worker {w.index} sent an unexpected {type(reply).__name__}")
+    self.stats.sim_errors += 1
+    if restart:
+      self._restart(w)
+    raise RuntimeError(f"simulator error in env id(s) {list(reply.env_ids)} (task "
+                       f"{reply.task}, worker {w.index}):\n{reply.traceback}")
 
   # ------------------------------------------------------------------ reset --
   def reset(self, seed: int) -> protocol.Observation:
@@ -430,106 +569,49 @@ class EnvPool:
     self._check_open()
     while any(w.outstanding for w in self._workers):  # Let in-flight chunks finish.
       self._poll(None)
-    self._ready.clear()
-    self._pending_fault.clear()
-    self._status[:] = "new"  # No episode is lost when a worker fails during the reset.
-    self._episode[:] = 0
+    self._book.start_reset()  # No episode is lost when a worker fails during the reset.
     self._reset_seed = seed
-    lost = []
-    for w in self._workers:
-      try:
-        self._send_reset(w)
-      except OSError:  # Broken pipe: the worker is dead.
-        lost.append(w)
-    errors = []
-    for w in [w for w in self._workers if w not in lost]:
-      try:
-        msg = self._recv_one(w, self._step_timeout_s, "reset")
-        if msg[0] == "reset":
-          self._instruction[list(w.env_ids)] = msg[1]
-        else:
-          errors.append((w, msg))
-      except _WorkerLost:
-        lost.append(w)
-      w.outstanding.clear()
+    lost, errors = self._reset_workers()
     for w in lost:
       alive = w.process.is_alive()
       self._restart(w, died=not alive, hung=alive)
     if errors:  # Every reply is read first, so that no stale answer stays in a pipe.
       self._reset_seed = None
       self._raise_worker_error(*errors[0], restart=True)
-    self._status[:] = "idle"
-    self._ep_return[:] = 0.0
-    self._ep_length[:] = 0
-    return protocol.Observation(self._images.copy(), self._state.copy(), self._instruction.copy())
+    self._book.finish_reset()
+    return protocol.Observation(self._images.copy(), self._state.copy(),
+                                self._book.instruction.copy())
+
+  def _reset_workers(self) -> tuple[list[_Worker], list[tuple[_Worker, worker.Reply]]]:
+    """Resets every worker; returns those lost and the errors the others reported."""
+    lost, errors = [], []
+    for w in self._workers:
+      try:
+        self._send_reset(w)
+      except OSError:  # Broken pipe: the worker is dead.
+        lost.append(w)
+    for w in [w for w in self._workers if w not in lost]:
+      try:
+        reply = w.recv(self._step_timeout_s, "reset")
+        if isinstance(reply, worker.ResetDone):
+          self._apply_reset(w, reply)
+        else:
+          errors.append((w, reply))
+      except _WorkerLost:
+        lost.append(w)
+      w.outstanding.clear()
+    return lost, errors
 
   def _send_reset(self, w: _Worker) -> None:
-    w.conn.send(("reset", self._reset_seed, self._episode[list(w.env_ids)].tolist()))
-    w.outstanding.append((list(w.env_ids), time.monotonic()))
+    first_episode = tuple(self._book.episode[list(w.env_ids)].tolist())
+    w.send(worker.Reset(seed=self._reset_seed, first_episode=first_episode))
+    w.outstanding.append(_Sent(env_ids=list(w.env_ids), sent_at=time.monotonic()))
 
-  # ---------------------------------------------------------------- restart --
-  def _restart(self, w: _Worker, *, died: bool = False, hung: bool = False) -> None:
-    """Kills ``w``, starts a fresh one and turns each of its envs' next result into a fault.
-
-    An episode under way is lost (reported truncated with its number ``k``); the
-    fresh env starts episode ``k + 1``, or ``k`` again if episode ``k`` had not
-    taken a step yet, so its episode numbers stay aligned with its group's.
-    """
-    self.stats.restarts += 1
-    self.stats.died += int(died)
-    self.stats.hung += int(hung)
-    if w.process.is_alive():
-      w.process.kill()
-    w.process.join(_JOIN_TIMEOUT_S)
-    w.conn.close()
+  def _apply_reset(self, w: _Worker, reply: worker.Reply) -> None:
+    """Takes ``w``'s reset reply (instructions; the obs are in shared memory)."""
+    reply = self._expect(w, reply, worker.ResetDone)
+    self._book.instruction[list(w.env_ids)] = reply.instructions
     w.outstanding.clear()
-    w.generation += 1
-    now = time.monotonic()
-    for i in w.env_ids:
-      if self._status[i] == "new":
-        continue
-      lost = []
-      if self._status[i] == "flight" or self._ep_length[i] > 0:
-        lost = [protocol.EpisodeStats(env_id=i, group=int(self._groups[i]),
-                                      episode=int(self._episode[i]),
-                                      episode_return=float(self._ep_return[i]),
-                                      length=int(self._ep_length[i]), success=False,
-                                      truncated=True, fault=True)]
-        self._episode[i] += 1
-        self.stats.truncated_by_fault += 1
-      self._ep_return[i], self._ep_length[i] = 0.0, 0
-      if self._status[i] == "ready":  # Its obs row is about to be overwritten.
-        r = self._ready[i]
-        r.truncated, r.episodes = True, r.episodes + lost
-      elif self._status[i] == "flight":
-        self._ready[i] = _Ready(i, now, 0.0, False, True, False, 0, lost)
-        self._status[i] = "ready"
-      else:  # Idle or already pending: reported by its next send.
-        prev = self._pending_fault.get(i)
-        self._pending_fault[i] = _Ready(i, now, 0.0, False, True, False, 0,
-                                        (prev.episodes if prev else []) + lost)
-    self._spawn(w)
-    try:
-      self._await_ready(w)
-      if self._reset_seed is not None:
-        self._send_reset(w)
-        msg = self._recv_one(w, self._step_timeout_s, "reset after restart")
-        if msg[0] != "reset":
-          self._raise_worker_error(w, msg, restart=False)
-        self._instruction[list(w.env_ids)] = msg[1]
-        w.outstanding.clear()
-    except _WorkerLost as e:
-      raise RuntimeError(f"worker {w.index} (env ids {list(w.env_ids)}) failed again right "
-                         f"after a restart: {e}") from e
-
-  def _raise_worker_error(self, w: _Worker, msg: tuple, *, restart: bool) -> None:
-    """Raises the simulator exception reported by ``msg`` (restarting ``w`` first)."""
-    _, env_ids, task, tb = msg
-    self.stats.sim_errors += 1
-    if restart:
-      self._restart(w)
-    raise RuntimeError(f"simulator error in env id(s) {env_ids} (task {task}, worker "
-                       f"{w.index}):\n{tb}")
 
   # ------------------------------------------------------------- send / recv --
   def send(self, actions: np.ndarray, env_ids: np.ndarray) -> None:
@@ -542,6 +624,18 @@ class EnvPool:
     self._check_open()
     if self._reset_seed is None:
       raise RuntimeError("call reset() before send()")
+    actions, env_ids = self._check_send(actions, env_ids)
+    now = time.monotonic()
+    for w in self._workers:
+      mine = np.nonzero(self._owner[env_ids] == w.index)[0]
+      # An env whose episode a restart ended gets that fault as its result, without a step.
+      rows = [int(k) for k in mine if self._book.start_chunk(int(env_ids[k]), now)]
+      if rows:
+        self._send_step(w, [int(i) for i in env_ids[rows]], actions[rows], now)
+
+  def _check_send(self, actions: np.ndarray,
+                  env_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Validates a send; returns ``(actions float32 [b, H, A], env_ids [b])``."""
     env_ids = np.asarray(env_ids)
     if env_ids.ndim != 1 or not np.issubdtype(env_ids.dtype, np.integer):
       raise ValueError(f"env_ids must be a 1-D integer array, got {env_ids.dtype} "
@@ -551,31 +645,23 @@ class EnvPool:
       raise ValueError(f"unknown env ids {bad.tolist()} (pool has ids 0..{self.num_envs - 1})")
     if np.unique(env_ids).size != env_ids.size:
       raise ValueError(f"env ids repeated in one send: {env_ids.tolist()}")
-    busy = [int(i) for i in env_ids if self._status[i] != "idle"]
+    busy = [int(i) for i in env_ids if self._book.state[i] is not EnvState.IDLE]
     if busy:
       raise ValueError(f"env ids {busy} already have a chunk in flight or a result not "
                        "received yet")
-    actions = protocol.check_actions(actions, env_ids.size, self.spec.action_dim)
-    now = time.monotonic()
-    for w in self._workers:
-      rows = np.nonzero(self._owner[env_ids] == w.index)[0]
-      ids = [int(i) for i in env_ids[rows]]
-      for i in [i for i in ids if i in self._pending_fault]:  # Episode already ended by a fault.
-        self._ready[i] = self._pending_fault.pop(i)
-        self._ready[i].ready_at = now
-        self._status[i] = "ready"
-      keep = [k for k, i in zip(rows, ids) if self._status[i] == "idle"]
-      if not keep:
-        continue
-      ids = [int(env_ids[k]) for k in keep]
-      self._status[ids] = "flight"
-      if not w.outstanding:
-        w.busy_since = now
-      w.outstanding.append((ids, now))
-      try:
-        w.conn.send(("step", [i - w.first_env_id for i in ids], actions[keep]))
-      except OSError:  # Broken pipe: the worker is dead.
-        self._restart(w, died=True)
+    return protocol.check_actions(actions, env_ids.size, self.spec.action_dim), env_ids
+
+  def _send_step(self, w: _Worker, env_ids: list[int], actions: np.ndarray,
+                 now: float) -> None:
+    """Sends ``w`` the chunks ``actions [b, H, A]`` of its envs ``env_ids [b]``."""
+    if not w.outstanding:
+      w.busy_since = now
+    w.outstanding.append(_Sent(env_ids=env_ids, sent_at=now))
+    step = worker.Step(local_ids=tuple(i - w.first_env_id for i in env_ids), actions=actions)
+    try:
+      w.send(step)
+    except OSError:  # Broken pipe: the worker is dead.
+      self._restart(w, died=True)
 
   def recv(self, b_max: int, t_max_s: float) -> tuple[np.ndarray, protocol.ChunkStep]:
     """Returns ``(env_ids [b], ChunkStep [b])`` for 1 <= b <= ``b_max`` ready envs.
@@ -588,56 +674,36 @@ class EnvPool:
     if b_max < 1 or t_max_s < 0:
       raise ValueError(f"need b_max >= 1 and t_max_s >= 0, got {b_max}, {t_max_s}")
     self._poll(0.0)
-    while len(self._ready) < b_max:
-      in_flight = any(w.outstanding for w in self._workers)
-      if self._ready and not in_flight:  # Nothing else can become ready: do not wait.
+    while len(self._book.ready) < b_max:
+      wait_s = self._recv_wait_s(t_max_s)
+      if wait_s is not None and wait_s <= 0:
         break
-      if self._ready:
-        remaining = min(r.ready_at for r in self._ready.values()) + t_max_s - time.monotonic()
-        if remaining <= 0:
-          break
-      elif not in_flight:
+      self._poll(wait_s)
+    ids = self._book.earliest_ready(b_max)
+    obs = protocol.Observation(self._images[ids], self._state[ids], self._book.instruction[ids])
+    return np.array(ids, np.int64), _chunk_step(obs, self._book.take(ids))
+
+  def _recv_wait_s(self, t_max_s: float) -> float | None:
+    """How long ``recv`` may still wait for replies: None for no limit, <= 0 for none."""
+    in_flight = any(w.outstanding for w in self._workers)
+    if not self._book.ready:
+      if not in_flight:
         raise RuntimeError("recv() with no chunk in flight: send() first")
-      else:
-        remaining = None
-      self._poll(remaining)
-    ids = sorted(self._ready, key=lambda i: (self._ready[i].ready_at, i))[:b_max]
-    return np.array(ids, np.int64), self._take(ids)
+      return None
+    if not in_flight:  # Nothing else can become ready: do not wait.
+      return 0.0
+    return self._book.first_ready_at() + t_max_s - time.monotonic()
 
   def step_chunk(self, actions: np.ndarray) -> protocol.ChunkStep:
     """Steps every env by ``actions`` ``float [num_envs, H, A]``; results in env-id order."""
     self._check_open()
-    if self._reset_seed is not None and np.any(self._status != "idle"):
+    if self._reset_seed is not None and not self._book.all_idle():
       raise RuntimeError("step_chunk() while chunks from send() are in flight or not received")
     self.send(actions, np.arange(self.num_envs))
     parts = []
-    while sum(len(p[0]) for p in parts) < self.num_envs:
+    while sum(len(ids) for ids, _ in parts) < self.num_envs:
       parts.append(self.recv(self.num_envs, math.inf))
-    ids = np.concatenate([p[0] for p in parts])
-    order = np.argsort(ids)
-
-    def cat(field: str) -> np.ndarray:
-      return np.concatenate([getattr(p[1], field) for p in parts])[order]
-
-    obs = protocol.Observation(*(np.concatenate([getattr(p[1].obs, f) for p in parts])[order]
-                                 for f in ("images", "state", "instruction")))
-    return protocol.ChunkStep(
-        obs=obs, reward=cat("reward"), terminated=cat("terminated"), truncated=cat("truncated"),
-        success=cat("success"), steps=cat("steps"),
-        episodes=sorted((e for p in parts for e in p[1].episodes), key=lambda e: e.env_id))
-
-  def _take(self, ids: list[int]) -> protocol.ChunkStep:
-    """Pops the ready results of ``ids`` ``[b]`` into a ChunkStep (obs rows copied)."""
-    rs = [self._ready.pop(i) for i in ids]
-    self._status[ids] = "idle"
-    obs = protocol.Observation(self._images[ids], self._state[ids], self._instruction[ids])
-    return protocol.ChunkStep(
-        obs=obs, reward=np.array([r.reward for r in rs], np.float32),
-        terminated=np.array([r.terminated for r in rs], bool),
-        truncated=np.array([r.truncated for r in rs], bool),
-        success=np.array([r.success for r in rs], bool),
-        steps=np.array([r.steps for r in rs], np.int32),
-        episodes=[e for r in rs for e in r.episodes])
+    return _in_env_order(parts)
 
   # ------------------------------------------------------------------- poll --
   def _poll(self, timeout_s: float | None) -> None:
@@ -655,38 +721,32 @@ class EnvPool:
       wait_s = min(wait_s, max(0.0, timeout_s))
     connection.wait([o for w in busy for o in (w.conn, w.process.sentinel)], wait_s)
     for w in busy:
-      try:
-        while w.outstanding and w.conn.poll():
-          self._handle(w, w.conn.recv())
-        if w.outstanding and not w.process.is_alive():
-          raise _WorkerLost(f"worker {w.index} exited")
-      except (_WorkerLost, EOFError, OSError):
-        self._restart(w, died=True)
-        continue
-      if w.outstanding and time.monotonic() - w.busy_since > self._step_timeout_s:
-        self._restart(w, hung=True)
+      self._collect(w)
 
-  def _handle(self, w: _Worker, msg: tuple) -> None:
-    """Applies one reply of ``w`` to the ready buffer."""
-    if msg[0] == "error":
-      self._raise_worker_error(w, msg, restart=True)
-    ids, _ = w.outstanding.popleft()
-    if msg[0] != "step":
-      raise RuntimeError(f"worker {w.index} answered {msg[0]!r} to a step command")
-    _, results, instr, ready_at = msg
-    self.stats.worker_busy_s += max(0.0, ready_at - w.busy_since)
+  def _collect(self, w: _Worker) -> None:
+    """Handles every reply ``w`` has sent; restarts it if it died or hung."""
+    try:
+      while w.outstanding and w.conn.poll():
+        self._handle(w, w.conn.recv())
+      if w.outstanding and not w.process.is_alive():
+        raise _WorkerLost(f"worker {w.index} exited")
+    except (_WorkerLost, EOFError, OSError):
+      self._restart(w, died=True)
+      return
+    if w.outstanding and time.monotonic() - w.busy_since > self._step_timeout_s:
+      self._restart(w, hung=True)
+
+  def _handle(self, w: _Worker, reply: worker.Reply) -> None:
+    """Applies one reply of ``w`` to a step command to the ready results."""
+    if isinstance(reply, worker.WorkerError):
+      self._raise_worker_error(w, reply, restart=True)
+    sent = w.outstanding.popleft()
+    if not isinstance(reply, worker.StepDone):
+      raise RuntimeError(f"worker {w.index} answered {type(reply).__name__} to a step command")
+    self.stats.worker_busy_s += max(0.0, reply.finished_at - w.busy_since)
     if w.outstanding:  # The next queued command started when this one finished.
-      w.busy_since = max(ready_at, w.outstanding[0][1])
-    for i, res, text in zip(ids, results, instr):
-      reward, terminated, truncated, success, steps, eps = res
-      self._ready[i] = _Ready(i, ready_at, reward, terminated, truncated, success, steps, eps)
-      self._status[i] = "ready"
-      self._instruction[i] = text
+      w.busy_since = max(reply.finished_at, w.outstanding[0].sent_at)
+    for i, outcome, text in zip(sent.env_ids, reply.outcomes, reply.instructions):
+      self._book.record(i, outcome, text, reply.finished_at)
       self.stats.chunks += 1
-      self.stats.env_steps += steps
-      if terminated or truncated:  # The env auto-reset into its next episode.
-        self._ep_return[i], self._ep_length[i] = 0.0, 0
-        self._episode[i] += 1
-      else:
-        self._ep_return[i] += reward
-        self._ep_length[i] += steps
+      self.stats.env_steps += outcome.steps

@@ -52,8 +52,8 @@ class Reset:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Step:
   """Executes one action chunk on some of the worker's envs (the others stay idle)."""
-  envs: tuple[int, ...]  # [b] local indices (0 .. count - 1) of the envs to step.
-  actions: np.ndarray  # float32 [b, H, A], row k for env envs[k].
+  local_ids: tuple[int, ...]  # [b] indices (0 .. count - 1) of the worker's envs to step.
+  actions: np.ndarray  # float32 [b, H, A], row k for env local_ids[k].
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ class EnvOutcome:
 @dataclasses.dataclass(frozen=True)
 class StepDone:
   """The envs of a :class:`Step` executed their chunks; their obs are in shared memory."""
-  outcomes: tuple[EnvOutcome, ...]  # [b] in the order of Step.envs.
+  outcomes: tuple[EnvOutcome, ...]  # [b] in the order of Step.local_ids.
   instructions: tuple[str, ...]  # [b] instruction of each env's new observation.
   finished_at: float  # time.monotonic() at the end of the last env's chunk.
 
@@ -138,7 +138,9 @@ class SharedObs:
     """Creates the segments; the caller owns them (closes and unlinks them)."""
     sizes = (num_envs * math.prod(image_shape), num_envs * state_dim * 4)  # uint8, float32.
     shms = [shared_memory.SharedMemory(create=True, size=max(1, size)) for size in sizes]
-    return cls((shms[0].name, shms[1].name), num_envs, tuple(image_shape), state_dim), shms
+    layout = cls(segments=(shms[0].name, shms[1].name), num_envs=num_envs,
+                 image_shape=tuple(image_shape), state_dim=state_dim)
+    return layout, shms
 
   def attach(self) -> list[shared_memory.SharedMemory]:
     """Opens the segments created by :meth:`create` (in another process)."""
@@ -162,7 +164,7 @@ def _task_name(env: Any) -> str:
 class _WorkerEnvs:
   """The envs of one worker and the shared-memory rows they write their observations to."""
 
-  def __init__(self, env_ids: tuple[int, ...], envs: list[Any], images: np.ndarray,
+  def __init__(self, env_ids: tuple[int, ...], envs: list[protocol.VecEnv], images: np.ndarray,
                state: np.ndarray):
     self.env_ids, self.envs = env_ids, envs
     self._images, self._state = images, state
@@ -170,11 +172,13 @@ class _WorkerEnvs:
     self._current = env_ids
 
   def started(self) -> Started:
+    """The reply announcing the built envs."""
     return Started(spec=self.envs[0].spec, task=_task_name(self.envs[0]),
                    group_sizes=tuple(int(env.group_size) for env in self.envs),
                    groups=tuple(int(np.asarray(env.group_ids())[0]) for env in self.envs))
 
   def run(self, command: Reset | Step) -> ResetDone | StepDone:
+    """Executes ``command``; its observations go to shared memory, the rest is returned."""
     self._current = self.env_ids
     if isinstance(command, Reset):
       return self._reset(command)
@@ -185,7 +189,7 @@ class _WorkerEnvs:
   def error(self) -> WorkerError:
     """The exception being handled, blamed on the env that raised it."""
     task = _task_name(self.envs[self.env_ids.index(self._current[0])])
-    return WorkerError(self._current, task, traceback.format_exc())
+    return WorkerError(env_ids=self._current, task=task, traceback=traceback.format_exc())
 
   def close(self) -> None:
     """Closes the envs and drops the views (so that the segments can close)."""
@@ -204,7 +208,7 @@ class _WorkerEnvs:
 
   def _step(self, command: Step) -> StepDone:
     outcomes, instructions = [], []
-    for k, j in enumerate(command.envs):
+    for k, j in enumerate(command.local_ids):
       env_id = self.env_ids[j]
       self._current = (env_id,)
       out = self.envs[j].step_chunk(command.actions[k:k + 1])
@@ -224,7 +228,7 @@ class _WorkerEnvs:
     return str(obs.instruction[0])
 
 
-def _build(env_fn: EnvFn, env_ids: tuple[int, ...], build_seed: int) -> list[Any]:
+def _build(env_fn: EnvFn, env_ids: tuple[int, ...], build_seed: int) -> list[protocol.VecEnv]:
   """Builds each env alone, as global env ``i`` (so it knows its group and episodes)."""
   envs = []
   try:
@@ -269,7 +273,8 @@ def worker_main(conn: connection.Connection, env_fn: EnvFn, first_env_id: int, c
       envs = _WorkerEnvs(env_ids, _build(env_fn, env_ids, build_seed), *obs.views(shms))
       started = envs.started()
     except Exception:  # Reported to the parent, which raises it.
-      conn.send(WorkerError(env_ids, type(env_fn).__name__, traceback.format_exc()))
+      conn.send(WorkerError(env_ids=env_ids, task=type(env_fn).__name__,
+                            traceback=traceback.format_exc()))
       return
     conn.send(started)
     _serve(conn, envs)
