@@ -50,6 +50,7 @@ EXTRAS_REQUIRE = {
     "test": [
         "pytest",
         "pytest-timeout",
+        "pytest-xdist",  # the fast step runs on every core (launch/test.sh)
         "psutil",  # tests/test_pool.py checks no worker outlives the pool
     ],
 }

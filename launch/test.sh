@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, in four steps that must all pass:
-#   (a) pytest -m "not sim and not learning and not multihost"
-#                                             on tests/      the fast suite (CPU, tiny models)
+#   (a) pytest -m "not sim and not learning and not multihost" -n WORKERS
+#                                             on tests/      the fast suite (CPU, tiny models),
+#                                                            in parallel processes (pytest-xdist)
 #   (b) pytest -m multihost                   on tests/      2 processes via jax.distributed
 #   (c) pytest -m learning                    on tests/      RL learning runs (minutes each)
 #   (d) pytest -m sim                         on tests/sim/  real simulators (ManiSkill3, LIBERO)
@@ -43,6 +44,14 @@ export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$ROOT/.cache/jax}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 
+# The fast and multi-host steps check programs against each other within one run, never
+# their speed: XLA's backend optimisations only add compile time there (a third of the
+# step). The learning step keeps them (its runs execute for minutes).
+fast_xla_flags="${XLA_FLAGS:-} --xla_backend_optimization_level=0"
+# Fast-step processes: one per core up to 4 (JAXVLA_TEST_WORKERS overrides; 0: in-process).
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # (env.sh sets OMP_NUM_THREADS=1)
+workers="${JAXVLA_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
+
 failed=()
 
 # run_step NAME PYTEST_ARGS...: runs pytest with stdin closed (a test that prompts fails
@@ -61,10 +70,11 @@ run_step() {
 }
 
 if [[ $only == all || $only == fast ]]; then
-  run_step fast -m "not sim and not learning and not multihost" "${pytest_args[@]}"
+  XLA_FLAGS=$fast_xla_flags run_step fast -m "not sim and not learning and not multihost" \
+    -n "$workers" --dist worksteal "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == multihost ]]; then
-  run_step multihost -m multihost "${pytest_args[@]}"
+  XLA_FLAGS=$fast_xla_flags run_step multihost -m multihost "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == learning ]]; then
   run_step learning -m learning "${pytest_args[@]}"

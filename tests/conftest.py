@@ -11,6 +11,13 @@ sys.path.insert(0, ROOT)
 from configs import default  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+  """Tests marked ``long`` first (stable otherwise): with parallel workers
+  (``launch/test.sh``), a long test started last would run on alone at the end."""
+  del config
+  items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture
 def smoke_config():
   c = default.get_config("smoke")

@@ -31,6 +31,7 @@ def _state(config, seed):
   return pol, state
 
 
+@pytest.mark.long
 def test_save_restore_equality(tmp_path, smoke_config):
   _, state = _state(smoke_config, 0)
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2)
@@ -62,6 +63,7 @@ def _records(workdir, phase):
     return [r for r in map(json.loads, f) if r["phase"] == phase]
 
 
+@pytest.mark.long
 def test_resume_continues_run(tmp_path, smoke_config):
   workdir = str(tmp_path / "run")
   smoke_config.total_env_steps = 600
@@ -101,6 +103,7 @@ _ASYNC_FLAGS = {  # A rollout thread that runs ahead of the learner (in-flight d
 }
 
 
+@pytest.mark.long
 def test_killed_async_run_resumes_with_version_optimizer_and_discard_count(tmp_path,
                                                                            smoke_config):
   """SIGKILL a running async training process, then resume from its last checkpoint."""
@@ -113,8 +116,11 @@ def test_killed_async_run_resumes_with_version_optimizer_and_discard_count(tmp_p
   cmd = [sys.executable, "-m", "jaxvla.main", "--config=configs/default.py:smoke",
          f"--workdir={workdir}", "--config.total_env_steps=10000000",
          *(f"--config.{k}={v}" for k, v in _ASYNC_FLAGS.items())]
-  proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  # stderr to a file: a pipe nobody reads while waiting would block a chatty run.
+  log_path = tmp_path / "stderr.txt"
+  with open(log_path, "wb") as log_file:
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=log_file,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
   ckpt_dir = os.path.join(workdir, "checkpoints")
   try:
     deadline = time.time() + 600
@@ -126,7 +132,7 @@ def test_killed_async_run_resumes_with_version_optimizer_and_discard_count(tmp_p
       if latest is not None and latest >= 3:
         break
       time.sleep(0.5)
-    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
     assert latest is not None and latest >= 3, "no RL checkpoint within 10 minutes"
     os.kill(proc.pid, signal.SIGKILL)  # Possibly in the middle of the next save.
     proc.wait(30)

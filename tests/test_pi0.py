@@ -155,20 +155,10 @@ def test_openpi_checkpoint_round_trip(smoke_config, tmp_path):
     openpi_import.load_openpi_params(str(tmp_path / "params"), small.abstract_params())
 
 
-@pytest.mark.parametrize("name,value_source,sampler", [("pi0", "expert", "flow_noise"),
-                                                       ("pi05", "prefix", "flow_sde")])
-def test_tiny_variants_train_in_the_loop(tmp_path, smoke_config, name, value_source, sampler):
-  """BC warm start, collect, PPO and evaluation run end to end with finite losses."""
-  from jaxvla import train
-  smoke_config.model.update(name=name, value_source=value_source, train_sampler=sampler)
-  summary = train.train_and_evaluate(smoke_config, str(tmp_path / "run"))
-  assert summary["env_steps"] >= smoke_config.total_env_steps
-  assert summary["policy_version"] == summary["iterations"] >= 2
-  with open(tmp_path / "run" / "metrics.jsonl") as f:
-    losses = [r["loss"] for r in map(json.loads, f) if r["phase"] == "train"]
-  assert len(losses) == summary["iterations"] and np.all(np.isfinite(losses))
+# Training each variant end to end: tests/test_pipeline.py::test_every_mode_trains_end_to_end.
 
 
+@pytest.mark.long
 def test_init_checkpoint_starts_the_run(tmp_path, smoke_config):
   """``model.init_checkpoint``: the run starts from the openpi-layout weights (its
   step-0 checkpoint holds them exactly) with fresh RL heads."""

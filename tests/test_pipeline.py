@@ -224,6 +224,7 @@ def test_inference_batches_pad_to_buckets():
   np.testing.assert_array_equal(padded["x"], [[0, 1], [2, 3], [4, 5], [0, 1]])
 
 
+@pytest.mark.long
 def test_first_ready_inference_sees_only_bucket_shapes():
   c, env, policy, params, act, value = _setup(num_envs=6)
   env.close()
@@ -297,6 +298,7 @@ def test_result_without_act_is_an_error():
 
 
 # ---------------------------------------------------------------- streamer --
+@pytest.mark.long
 def test_streamed_update_equals_the_non_streamed_one(monkeypatch):
   """Gradients of micro-batches computed one by one as they arrive, summed and
   applied once, equal one non-streamed PPO update over the same data.
@@ -337,11 +339,12 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch):
 
 
 # ---------------------------------------------------------------- end to end --
-def _run(tmp_path, name, **pipeline):
+def _run(tmp_path, name, model=None, **pipeline):
   c = default.get_config("smoke")
   c.total_env_steps = 600
   c.env_workers = 2
   c.env.latency_ms, c.env.latency_sigma = 1.0, 1.0
+  c.model.update(model or {})
   c.pipeline.micro_batch_segments = 4
   c.pipeline.update(pipeline)
   if c.pipeline.streamer:
@@ -352,13 +355,21 @@ def _run(tmp_path, name, **pipeline):
   return c, summary, records
 
 
+# Each run also trains one policy variant end to end (BC warm start, rollout, PPO,
+# evaluation): the default tiny pi0 (prefix value, flow-SDE sampler), pi0 with the
+# expert's state-token value and the flow-noise sampler, and pi0.5.
+_PI0_EXPERT_NOISE = dict(name="pi0", value_source="expert", train_sampler="flow_noise")
+_PI05 = dict(name="pi05", value_source="prefix", train_sampler="flow_sde")
+
+
+@pytest.mark.long
 @pytest.mark.parametrize("mode,switches", [
     ("sync_colocated", {}),
-    ("sync_disaggregated", {}),
+    ("sync_disaggregated", dict(model=_PI0_EXPERT_NOISE)),
     ("async", dict(train_async=True, rollout_async=False, streamer=False)),
     ("async", dict(train_async=True, rollout_async=True, streamer=True,
                    staleness_control="pace")),
-    ("async", dict(train_async=False, rollout_async=True, streamer=False)),
+    ("async", dict(train_async=False, rollout_async=True, streamer=False, model=_PI05)),
 ])
 def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
   c, summary, records = _run(tmp_path, "run", mode=mode, **switches)
@@ -379,8 +390,11 @@ def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
   if mode == "sync_colocated":
     assert last["staleness_max"] == 0 and summary["dropped_env_steps"] == 0
   assert (tmp_path / "run" / "timeline.json").exists()
+  evals = [r for r in records if r["phase"] == "eval"]
+  assert evals and all(0.0 <= r["success_rate"] <= 1.0 for r in evals)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("switches", [dict(mode="sync_colocated"),
                                       dict(mode="async", train_async=True, rollout_async=True,
                                            streamer=True)])

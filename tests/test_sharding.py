@@ -101,18 +101,20 @@ def test_config_mesh_checks():
     config_checks.validate_batch_shards(c, 4)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_sharded_train_step_equals_unsharded():
-  """tiny pi0 on 8 fake CPU devices: FSDP (data=2, fsdp=4) and FSDP + tensor
-  (fsdp=4, tensor=2); one BC step and one PPO update match the unsharded learner."""
+  """tiny pi0 on 8 fake CPU devices, every mesh axis at once (data=2, fsdp=2,
+  tensor=2: the batch split 4 ways, params over fsdp and tensor); one BC step and
+  one PPO update match the unsharded learner."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
                       "--xla_backend_optimization_level=0")
   env["JAX_PLATFORMS"] = "cpu"
   script = os.path.join(os.path.dirname(__file__), "sharding_check.py")
-  out = subprocess.run([sys.executable, script, "2,4,1", "1,4,2"], env=env,
+  out = subprocess.run([sys.executable, script, "2,2,2"], env=env,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
   lines = out.stdout.splitlines()
-  assert sum(line.startswith("OK mesh=") for line in lines) == 2, out.stdout
+  assert sum(line.startswith("OK mesh=") for line in lines) == 1, out.stdout
   assert lines[-1] == "ALL OK", out.stdout

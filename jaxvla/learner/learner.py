@@ -116,8 +116,8 @@ class Learner:
                                                         abstract_params, mesh, rules)
     abstract_state = lambda tx: jax.eval_shape(
         lambda p, k: init_state(p, tx, k), abstract_params, jax.random.PRNGKey(0))
-    bc_sh = self.state_shardings(abstract_state(self.bc_tx))
-    ppo_sh = self.state_shardings(abstract_state(self.ppo_tx))
+    self._bc_state_sh = bc_sh = self.state_shardings(abstract_state(self.bc_tx))
+    self._ppo_state_sh = ppo_sh = self.state_shardings(abstract_state(self.ppo_tx))
     rep = sharding_lib.replicated(mesh)
     # The env (episode) axis of every field is split over the batch shards.
     self._rows_sh = sharding_lib.batch_sharding(mesh, rules)  # [N, ...]: N split.
@@ -152,6 +152,16 @@ class Learner:
     """``state`` placed on :meth:`state_shardings` (what ``bc_step`` / ``update`` take)."""
     return distributed.device_put(state, self.state_shardings(state))
 
+  @staticmethod
+  def _placed(tree, shardings):
+    """``tree`` on ``shardings`` (a no-op for arrays already there).
+
+    An array's type includes its mesh, so a state not yet on the learner's mesh (a
+    fresh ``init_state``) would otherwise compile every entry point twice: once for
+    it and once for the on-mesh state the step returns.
+    """
+    return distributed.device_put(tree, shardings)
+
   def _check_batch(self, n: int, what: str, key: str) -> None:
     """``n``: this process's share; the mesh splits ``n * num_processes`` rows."""
     local_shards = self.batch_shards // self.num_processes
@@ -176,7 +186,7 @@ class Learner:
     """One supervised step on this process's expert chunks ``actions [N, H, A]``."""
     self._check_batch(actions.shape[0], "BC batch size", "config.bc.batch_size")
     batch, actions = distributed.to_global((batch, actions), self._rows_sh)
-    return self.bc_step_jit(state, batch, actions)
+    return self.bc_step_jit(self._placed(state, self._bc_state_sh), batch, actions)
 
   def _bc_step(self, state: TrainState, batch: dict,
                actions: jax.Array) -> tuple[TrainState, jax.Array]:
@@ -195,7 +205,8 @@ class Learner:
     nm = self.ppo_config.num_minibatches
     if rows % nm == 0:  # (else the update raises, naming ppo.num_minibatches)
       self._check_batch(rows // nm, "RL minibatch size (rows)", "config.ppo.num_minibatches")
-    return self.update_jit(state, self._to_global(data, "RL batch envs / episodes"))
+    return self.update_jit(self._placed(state, self._ppo_state_sh),
+                           self._to_global(data, "RL batch envs / episodes"))
 
   def _update(self, state: TrainState, data) -> tuple[TrainState, dict]:
     rng, key = jax.random.split(state.rng)
@@ -217,7 +228,8 @@ class Learner:
     is every process's ``data`` together.
     """
     data = self._to_global(data, "streamed micro-batch envs / episodes")
-    return self._micro_grads_jit(params, data, jnp.float32(total_rows * self.num_processes))
+    return self._micro_grads_jit(self._placed(params, self.param_shardings), data,
+                                 jnp.float32(total_rows * self.num_processes))
 
   def _add(self, acc, grads, metrics):
     """Accumulates ``(grads, metrics)`` into ``acc`` (donated)."""
@@ -240,4 +252,4 @@ class Learner:
   def apply(self, state: TrainState, acc, bump_version: bool = True):
     """Applies accumulated micro-batch gradients: one optimizer update
     (``bump_version``: it ends the RL batch, the policy version grows by 1)."""
-    return self._apply_jit(state, acc, bump_version)
+    return self._apply_jit(self._placed(state, self._ppo_state_sh), acc, bump_version)
