@@ -26,7 +26,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.num_envs = 64  # Envs stepped in parallel for RL rollouts.
   c.rollout_len = 10  # Chunk steps per env per training iteration.
   c.env_workers = 0  # Env worker processes for rollouts (0: step envs in the trainer process).
-  c.env_step_timeout_s = 120.0  # Pool only: a worker silent this long on a chunk is restarted.
+  # Pool only, hang detection. Once 16 chunks are measured, a hang is a chunk 10x slower
+  # than the slowest so far (and at least env_hang_floor_s); before that, env_step_timeout_s.
+  c.env_step_timeout_s = 120.0  # Seconds a worker may take for a chunk: warm-up and cap.
+  c.env_hang_floor_s = 10.0  # Least seconds a chunk may take before it counts as a hang.
   c.resume = False  # Continue from the latest checkpoint in the workdir.
 
   c.env = ml_collections.ConfigDict()
@@ -96,6 +99,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.ppo.num_epochs = 2  # Passes over each rollout.
   c.ppo.num_minibatches = 4  # Minibatches per pass.
   c.ppo.max_grad_norm = 1.0  # Global gradient-norm clip.
+  # Divergence guard: an update (or BC step) whose loss, gradients or new params are not
+  # finite is not applied (counted, logged).
+  c.ppo.max_bad_updates = 3  # This many non-finite updates in a row stop the run.
   c.ppo.target_kl = 0.0  # Skip the rest of an update once approx. KL exceeds this (0: off).
   c.ppo.algorithm = "ppo"  # 'ppo' (GAE, value head) or 'grpo' (group-normalised episode returns).
   c.ppo.loss_normalizer = "trajectory"  # GRPO: 'chunks', 'trajectory' (1/|tau|) or 'constant' (1/K).

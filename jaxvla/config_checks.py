@@ -30,6 +30,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.env_workers >= 0 and (c.env_workers == 0 or c.num_envs % c.env_workers == 0),
            "env_workers", f"must be >= 0 and divide num_envs={c.num_envs}, got {c.env_workers}")
   _require(c.env_step_timeout_s > 0, "env_step_timeout_s", "must be > 0")
+  _require(0 < c.env_hang_floor_s <= c.env_step_timeout_s, "env_hang_floor_s",
+           f"must be in (0, env_step_timeout_s={c.env_step_timeout_s}]")
   _require(c.rollout_len >= 1, "rollout_len", f"must be >= 1, got {c.rollout_len}")
   _require(1 <= c.model.chunk_len <= c.env.max_episode_steps, "model.chunk_len",
            f"must be in [1, env.max_episode_steps={c.env.max_episode_steps}], "
@@ -50,6 +52,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(0 < c.ppo.gamma <= 1, "ppo.gamma", f"must be in (0, 1], got {c.ppo.gamma}")
   _require(0 <= c.ppo.gae_lambda <= 1, "ppo.gae_lambda", f"must be in [0, 1], got {c.ppo.gae_lambda}")
   _require(c.ppo.clip_eps > 0, "ppo.clip_eps", f"must be > 0, got {c.ppo.clip_eps}")
+  _require(c.ppo.max_bad_updates >= 1, "ppo.max_bad_updates",
+           f"must be >= 1, got {c.ppo.max_bad_updates}")
   _require(c.bc.num_steps >= 0, "bc.num_steps", f"must be >= 0, got {c.bc.num_steps}")
   _require(c.bc.num_steps == 0 or c.bc.num_episodes >= 1, "bc.num_episodes",
            "must be >= 1 when bc.num_steps > 0")

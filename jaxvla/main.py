@@ -1,4 +1,7 @@
-"""Entry point: ``python -m jaxvla.main --config=configs/X.py[:variant] --workdir=DIR``.
+"""Entry point: ``python -m jaxvla.main --config=configs/X.py[:variant] [--workdir=DIR]``.
+
+``--workdir`` defaults to ``workdirs/<timestamp>`` (a single-process run; the
+processes of a multi-host run must be given one shared directory).
 
 Parses flags only; the job is :func:`jaxvla.train.train_and_evaluate`. The last
 line on stdout is the run's summary as one JSON object.
@@ -12,23 +15,33 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from jaxvla import distributed, train
+from jaxvla import distributed, runtime_env, train, workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Config file (optionally ':variant').", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.",
-                               required=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for checkpoints and metrics (default: workdirs/<timestamp>).")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  # Started without launch/run.sh: the simulators' environment (launch/env.sh) is applied
+  # by re-executing this command with it, before any simulator or backend loads.
+  runtime_env.ensure()
   # Library INFO chatter (orbax, jax) off; jaxvla's own INFO lines stay.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("jaxvla").setLevel(logging.INFO)
   # Multi-host: join the job before anything touches a JAX backend.
   distributed.initialize(_CONFIG.value.distributed)
-  summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  workdir = _WORKDIR.value
+  if workdir is None:
+    if distributed.multi_process():  # Each process would pick its own timestamp.
+      raise app.UsageError("a multi-host run needs --workdir: one directory shared by every "
+                           "process")
+    workdir = workdir_lib.default_workdir()
+    logging.getLogger("jaxvla").info("workdir: %s", workdir)
+  summary = train.train_and_evaluate(_CONFIG.value, workdir)
   sys.stdout.write(json.dumps(summary) + "\n")
   sys.stdout.flush()
 

@@ -37,6 +37,34 @@ class MetricWriter:
     for k, v in metrics.items():
       self._tb.add_scalar(f"{phase}/{k}", float(v), int(env_steps))
 
+  def resume_from(self, env_steps: int) -> int:
+    """A resume from a checkpoint at ``env_steps``: the records the interrupted process
+    wrote after it (their steps are trained again) leave ``metrics.jsonl`` for
+    ``metrics.discarded.jsonl``, and TensorBoard purges its events past it, so the
+    curves continue instead of repeating a range. Returns how many records moved.
+    """
+    if not self.enabled:
+      return 0
+    self._jsonl.close()
+    path = self._jsonl.name
+    with open(path, encoding="utf-8") as f:
+      lines = [line for line in f if line.strip()]
+    keep, moved = [], []
+    for line in lines:
+      (moved if json.loads(line)["env_steps"] > env_steps else keep).append(line)
+    if moved:
+      with open(path[:-len(".jsonl")] + ".discarded.jsonl", "a", encoding="utf-8") as f:
+        f.writelines(moved)
+      tmp = path + ".tmp"
+      with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(keep)
+      os.replace(tmp, path)
+    self._jsonl = open(path, "a", encoding="utf-8")
+    logdir = self._tb.logdir
+    self._tb.close()
+    self._tb = tensorboardX.SummaryWriter(logdir, purge_step=env_steps + 1)
+    return len(moved)
+
   def close(self) -> None:
     if not self.enabled:
       return

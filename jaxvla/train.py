@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import signal
@@ -37,6 +38,7 @@ import numpy as np
 
 from jaxvla import checkpoint as checkpoint_lib
 from jaxvla import config_checks, distributed, metrics as metrics_lib, sharding as sharding_lib
+from jaxvla import workdir as workdir_lib
 from jaxvla.data import demos
 from jaxvla.envs import make_env, make_vec_env
 from jaxvla.learner import learner as learner_lib
@@ -146,13 +148,20 @@ def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
   state = s.learner.shard_state(learner_lib.init_state(params, s.learner.bc_tx, rng))
   n = data["actions"].shape[0]
   sampler = np.random.default_rng(_host_seed(config.seed + 3))
-  losses = []
-  for _ in range(config.bc.num_steps):
+  guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "BC step")
+  losses, pending = [], []
+  for i in range(config.bc.num_steps):
     idx = sampler.integers(0, n, config.bc.batch_size // hosts)
     batch = {k: v[idx] for k, v in data["batch"].items()}
-    state, loss = s.learner.bc_step(state, batch, data["actions"][idx])
-    losses.append(loss)
-  losses = np.asarray(jax.device_get(losses))
+    state, metrics = s.learner.bc_step(state, batch, data["actions"][idx])
+    pending.append(metrics)
+    # Checked a few steps late, so the host does not wait for every step.
+    if len(pending) == 8 or i + 1 == config.bc.num_steps:
+      for j, m in enumerate(jax.device_get(pending), start=i + 1 - len(pending)):
+        guard.check(float(m["nonfinite"]), j)
+        losses.append(float(m["loss"]))
+      pending = []
+  losses = np.asarray(losses)
   # Demonstration counts summed over processes; the success rate is process 0's.
   chunks, episodes, steps = distributed.sum_over_hosts(
       np.asarray([n, data["episodes"], data["env_steps"]], np.int64))
@@ -162,18 +171,38 @@ def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
                             demo_env_steps=float(steps))
 
 
-def _initial_state(config, s: Setup, rng) -> tuple[learner_lib.TrainState, RunState]:
-  """Restores the latest checkpoint (``config.resume``) or warm-starts a fresh policy."""
+def _changed_model_keys(config, written: dict | None) -> str:
+  """`` (config.model.X: 'a' -> 'b', ...)`` against the config a checkpoint's run wrote."""
+  if not written or "model" not in written:
+    return ""
+  now = json.loads(config.model.to_json_best_effort())
+  changed = [f"config.model.{k}: {written['model'].get(k)!r} -> {v!r}"
+             for k, v in sorted(now.items()) if written["model"].get(k) != v]
+  return f" (changed since that run: {', '.join(changed)})" if changed else ""
+
+
+def _initial_state(config, s: Setup, rng, written: dict | None = None
+                   ) -> tuple[learner_lib.TrainState, RunState]:
+  """Restores the latest checkpoint (``config.resume``) or warm-starts a fresh policy.
+
+  ``written``: the config the workdir's run wrote (its ``config.json``), if any.
+  """
   init_key, bc_key, ppo_key, eval_key = jax.random.split(rng, 4)
   step = s.checkpointer.latest_step()
-  if config.resume and step is not None:
+  if config.resume:  # (a checkpoint exists: checked before anything was written)
     # The restore target's structure and shardings, computed abstractly (nothing is
     # allocated); orbax reads every array straight into its shards.
     abstract = jax.eval_shape(lambda: learner_lib.init_state(
         s.policy.init(init_key), s.learner.ppo_tx, ppo_key))
     abstract = sharding_lib.with_shardings(abstract, s.learner.state_shardings(abstract))
-    state, meta = s.checkpointer.restore(step, abstract)
+    step, state, meta = s.checkpointer.restore_latest(abstract, _changed_model_keys(config,
+                                                                                    written))
     run = RunState(**meta)
+    moved = s.writer.resume_from(run.env_steps)
+    if moved:
+      log.info("moved %d metric records written after checkpoint %d (env_steps=%d) to "
+               "metrics.discarded.jsonl: those steps are trained again", moved, step,
+               run.env_steps)
     log.info("resumed from checkpoint %d (policy version %d, env_steps=%d); discarded %d "
              "in-flight env segments (%d chunks) that were queued or being collected when it "
              "was written", step, int(state.step), run.env_steps, run.in_flight_segments,
@@ -201,6 +230,11 @@ def _initial_state(config, s: Setup, rng) -> tuple[learner_lib.TrainState, RunSt
 
 
 def _save(s: Setup, run: RunState, state, pipe: pipeline_lib.Pipeline) -> None:
+  # The learner never applies a non-finite update; this keeps it that way for
+  # checkpoints (an earlier, finite one is never rotated out by a bad one).
+  if not bool(learner_lib.all_finite(state.params)):
+    raise FloatingPointError(f"iteration {run.iteration}: the params are not finite; "
+                             "checkpoint not written (the earlier ones are intact)")
   flight = pipe.in_flight()
   # Every process's in-flight data (a collective: every process saves at the same update).
   run.in_flight_segments, run.in_flight_chunks = (int(v) for v in distributed.sum_over_hosts(
@@ -230,7 +264,11 @@ def _stop_on_sigint(pipe: pipeline_lib.Pipeline):
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Runs the job described by ``config`` in ``workdir``; returns the final summary."""
+  """Runs the job described by ``config`` in ``workdir``; returns the final summary.
+
+  Raises:
+    workdir_lib.WorkdirInUse: another live run holds ``workdir``.
+  """
   config_checks.validate(config)
   t_start = time.perf_counter()
   if distributed.multi_process():  # Mismatched processes would deadlock later, silently.
@@ -240,21 +278,67 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       shared.distributed.process_id = 0  # (the two fields processes may differ in)
       shared.distributed.local_device_ids = ""
     distributed.check_same_on_hosts(shared.to_json_best_effort(sort_keys=True), "the config")
+  lock = workdir_lib.WorkdirLock(workdir, enabled=distributed.is_primary())
+  refused = None
+  try:
+    lock.acquire()
+  except workdir_lib.WorkdirInUse as e:
+    refused = e
+  # Every process stops if process 0 was refused (the others would wait for it forever).
+  if distributed.broadcast_from_primary(dict(refused=float(refused is not None)))["refused"]:
+    raise refused or workdir_lib.WorkdirInUse(
+        f"workdir {workdir!r} is in use by another run (process 0 was refused its lock)")
+  try:
+    return _train(config, workdir, t_start)
+  finally:
+    lock.release()
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> dict:
+  """:func:`train_and_evaluate` once the workdir is this run's."""
+  if config.resume and not checkpoint_lib.has_checkpoint(os.path.join(workdir, "checkpoints")):
+    raise FileNotFoundError(
+        f"--config.resume=True but {os.path.join(workdir, 'checkpoints')!r} holds no "
+        "checkpoint; check --workdir, or drop --config.resume to start a new run there")
   os.makedirs(workdir, exist_ok=True)
-  if distributed.is_primary():
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-      f.write(config.to_json_best_effort(indent=2))
+  config_path = os.path.join(workdir, "config.json")
+  written = None
+  if config.resume and os.path.exists(config_path):  # To name what changed, on a mismatch.
+    with open(config_path, encoding="utf-8") as f:
+      written = json.load(f)
+
+  def write_config():
+    if distributed.is_primary():
+      with open(config_path, "w", encoding="utf-8") as f:
+        f.write(config.to_json_best_effort(indent=2))
+
+  if not config.resume:  # (a resume's, once its checkpoint is known to fit)
+    write_config()
   rng = jax.random.PRNGKey(config.seed)
   env = make_vec_env(config.env, config.num_envs, _host_seed(config.seed),
-                     num_workers=config.env_workers, step_timeout_s=config.env_step_timeout_s)
-  s = _build(config, workdir, env.spec)
+                     num_workers=config.env_workers, step_timeout_s=config.env_step_timeout_s,
+                     hang_floor_s=config.env_hang_floor_s)
   setup_key, rollout_key, eval_key = jax.random.split(rng, 3)
-  state, run = _initial_state(config, s, setup_key)
+  s = None
+  try:
+    s = _build(config, workdir, env.spec)
+    state, run = _initial_state(config, s, setup_key, written)
+  except BaseException:  # (a refused checkpoint, say): no env worker outlives the error
+    env.close()
+    if s is not None:
+      s.checkpointer.close()
+      s.writer.close()
+      if s.eval_env is not None:
+        s.eval_env.close()
+    raise
+  if config.resume:
+    write_config()
   if jax.process_count() > 1:  # Each process samples its own actions.
     rollout_key = jax.random.fold_in(rollout_key, jax.process_index())
   pipe = pipeline_lib.Pipeline(config, s.policy, s.learner, env, s.act_train, s.value_fn,
                                s.rollout_sharding, jax.random.fold_in(rollout_key, run.iteration),
-                               seed=_host_seed(config.seed + run.iteration))
+                               seed=_host_seed(config.seed + run.iteration),
+                               version=int(state.step))
   resumed_at = run.env_steps
   discarded = dict(segments=run.in_flight_segments, chunks=run.in_flight_chunks)
   progress = metrics_lib.Progress(config.total_env_steps, run.env_steps,
@@ -262,6 +346,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   last_eval = run.warm_start_eval
   rl_start, rl_start_steps = time.perf_counter(), run.env_steps
   last = dict(state=state, t=time.perf_counter())
+  guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "RL update")
 
   def on_update(info: pipeline_lib.UpdateInfo) -> None:
     nonlocal last_eval
@@ -275,6 +360,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     s.writer.write(run.env_steps, "train", dict(
         info.metrics, env_steps_per_s=sps, iteration_s=learner_s,
         dropped_env_steps=info.dropped_env_steps, **window))
+    guard.check(float(info.metrics["nonfinite"]), run.iteration)  # (after its record)
     done = run.env_steps >= config.total_env_steps
     if run.iteration % config.eval.every_iters == 0 or done:
       last_eval = _evaluate(config, s, state.params, jax.random.fold_in(eval_key, run.iteration))
@@ -308,8 +394,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                             write_config=distributed.is_primary())
   wall_s = time.perf_counter() - t_start
   summary = dict(
-      env_steps=run.env_steps, wall_s=round(wall_s, 2),
-      env_steps_per_s=round(run.env_steps / wall_s, 2),
+      # Rates over this process's life: after a resume, the steps it ran in its time.
+      env_steps=run.env_steps, env_steps_this_process=run.env_steps - resumed_at,
+      wall_s=round(wall_s, 2),
+      env_steps_per_s=round((run.env_steps - resumed_at) / wall_s, 2),
       rl_env_steps_per_s=round((run.env_steps - rl_start_steps)
                                / max(time.perf_counter() - rl_start, 1e-9), 2),
       success_rate=last_eval["success_rate"],
@@ -320,6 +408,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       iterations=run.iteration, policy_version=int(state.step), export_dir=export_dir,
       pipeline=pipe.mode_name, **pipe.totals(), num_processes=jax.process_count(),
       staleness_mean=pipeline_metrics.get("staleness_mean", 0.0),
+      nonfinite_updates=guard.total,
       discarded_on_resume=discarded if resumed_at else None,
       interrupted=pipe.interrupted)
   s.writer.write(run.env_steps, "summary", {k: v for k, v in summary.items()

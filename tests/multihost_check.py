@@ -104,11 +104,11 @@ def main() -> None:
   place = learner.shard_state
 
   out = {}
-  bc_state, bc_loss = learner.bc_step(
+  bc_state, bc_metrics = learner.bc_step(
       place(learner_lib.init_state(params, learner.bc_tx, jax.random.PRNGKey(2))),
       rows(bc_batch, mine), bc_actions[mine])
   out.update(_flat("bc_params", distributed.local_replica(bc_state.params, learner.mesh)))
-  out["bc_loss"] = np.asarray(float(bc_loss))
+  out["bc_loss"] = np.asarray(float(bc_metrics["loss"]))
 
   ppo_state, metrics = learner.update(
       place(learner_lib.init_state(params, learner.ppo_tx, jax.random.PRNGKey(3))),

@@ -115,7 +115,7 @@ def main(meshes: list[tuple[int, int, int]]) -> None:
     _close("ppo_state", new_ppo_state, ref_ppo_state)
     leaf = new_ppo_state.params["PaliGemma"]["llm"]["layers"]["mlp"]["linear"]
     assert leaf.sharding == lrn.param_shardings["PaliGemma"]["llm"]["layers"]["mlp"]["linear"]
-    print(f"OK mesh={shape} sharded_leaves={len(sharded)} bc_loss={float(bc_loss):.6f} "
+    print(f"OK mesh={shape} sharded_leaves={len(sharded)} bc_loss={float(bc_loss['loss']):.6f} "
           f"ppo_loss={float(metrics['loss']):.6f} {time.perf_counter() - t0:.1f}s", flush=True)
   print("ALL OK", flush=True)
 

@@ -137,8 +137,8 @@ def test_bc_loss_decreases_on_fixed_batch(smoke_config):
   acts = env.expert_chunk(pol.chunk_len)
   losses = []
   for _ in range(30):
-    state, loss = lrn.bc_step(state, s["batch"], acts)
-    losses.append(float(loss))
+    state, metrics = lrn.bc_step(state, s["batch"], acts)
+    losses.append(float(metrics["loss"]))
   assert np.isfinite(losses).all()
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
 

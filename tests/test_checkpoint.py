@@ -85,8 +85,16 @@ def test_resume_continues_run(tmp_path, smoke_config):
   with pytest.raises(FileExistsError, match="resume"):
     train.train_and_evaluate(smoke_config, workdir)
 
-  smoke_config.total_env_steps = 1200
+  # Resuming with another model size: one line naming the step, the path and the key.
   smoke_config.resume = True
+  smoke_config.model.variant = "small"
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=r"checkpoint \d+ .* does not fit this run's model: params/.* "
+                           r"\(changed since that run: config.model.variant: 'tiny' -> 'small'\)"):
+    train.train_and_evaluate(smoke_config, workdir)
+  smoke_config.model.variant = "tiny"
+
+  smoke_config.total_env_steps = 1200
   second = train.train_and_evaluate(smoke_config, workdir)
   assert second["iterations"] > first["iterations"]
   assert second["policy_version"] == first["policy_version"] + (
@@ -170,3 +178,72 @@ def test_killed_async_run_resumes_with_version_optimizer_and_discard_count(tmp_p
   assert resumed_iters >= 1
   assert second["policy_version"] == int(saved.step) + resumed_iters
   assert len(_records(workdir, "warm_start")) == 1  # No second warm start.
+  # Pacing holds after the resume as in an uninterrupted run: nothing too stale to train on.
+  assert second["dropped_env_steps"] == 0, second
+  # The curve continues: records the killed process wrote past its checkpoint were moved.
+  steps = [r["env_steps"] for r in _records(workdir, "train")]
+  assert steps == sorted(set(steps)), steps
+  assert second["env_steps_this_process"] == second["env_steps"] - meta["env_steps"]
+
+
+def _two_steps(tmp_path, config):
+  pol, state = _state(config, 0)
+  directory = str(tmp_path / "ckpt")
+  ckpt = checkpoint_lib.Checkpointer(directory, max_to_keep=3)
+  ckpt.save(1, state, {"env_steps": 1})
+  ckpt.save(2, state, {"env_steps": 2})
+  ckpt.close()
+  return pol, state, directory
+
+
+def _truncate_arrays(step_dir):
+  """Halves every array data file of a step (a write cut short)."""
+  n = 0
+  for root, _, files in os.walk(os.path.join(step_dir, "state")):
+    if os.path.basename(root) == "d":
+      for name in files:
+        path = os.path.join(root, name)
+        with open(path, "r+b") as f:
+          f.truncate(os.path.getsize(path) // 2)
+        n += 1
+  assert n, f"no array files under {step_dir}"
+
+
+@pytest.mark.long
+def test_damaged_latest_checkpoint_falls_back_and_mismatch_names_the_path(tmp_path, smoke_config,
+                                                                        caplog):
+  import logging  # pylint: disable=import-outside-toplevel
+  pol, state, directory = _two_steps(tmp_path, smoke_config)
+  abstract = checkpoint_lib.abstract_like(state)
+
+  _truncate_arrays(os.path.join(directory, "2"))
+  ckpt = checkpoint_lib.Checkpointer(directory, max_to_keep=3)
+  with caplog.at_level(logging.WARNING):
+    step, restored, meta = ckpt.restore_latest(abstract)
+  assert step == 1 and meta == {"env_steps": 1}
+  _tree_equal(restored.params, state.params)
+  assert "checkpoint 2 in" in caplog.text and "damaged" in caplog.text
+
+  # Step 1's metadata gone too: no intact step, each one's cause named in one line.
+  os.remove(os.path.join(directory, "1", "state", "_METADATA"))
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=r"no intact checkpoint in .*: step 2: unreadable \(.*OUT_OF_RANGE.*\); "
+                           r"step 1: \S+/1/state/_METADATA is missing") as info:
+    ckpt.restore_latest(abstract)
+  assert "\n" not in str(info.value)
+  ckpt.close()
+
+  # Another model over these params: the step, the first differing path and the hint.
+  _, _, directory = _two_steps(tmp_path / "b", smoke_config)
+  smoke_config.model.variant = "small"
+  env = builtin.make(smoke_config.env, 2, 0)
+  small = policy_lib.make_policy(smoke_config.model, env.spec)
+  lrn = learner_lib.Learner(small, smoke_config.bc, smoke_config.ppo)
+  abstract_small = jax.eval_shape(lambda: learner_lib.init_state(
+      small.init(jax.random.PRNGKey(0)), lrn.ppo_tx, jax.random.PRNGKey(0)))
+  ckpt = checkpoint_lib.Checkpointer(directory, max_to_keep=3)
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=r"checkpoint 2 in .* does not fit this run's model: params/\S+ is "
+                           r"stored with shape \(.*\), the config's model has .* \(hint\)"):
+    ckpt.restore_latest(abstract_small, " (hint)")
+  ckpt.close()

@@ -171,8 +171,9 @@ def test_init_checkpoint_starts_the_run(tmp_path, smoke_config):
                                                      if k != "rl"}})
   smoke_config.model.init_checkpoint = str(tmp_path / "params")
   smoke_config.bc.num_steps = 0
-  smoke_config.total_env_steps = 1
-  train.train_and_evaluate(smoke_config, str(tmp_path / "run"))
+  smoke_config.total_env_steps = 0  # (the step-0 checkpoint is written before any RL)
+  summary = train.train_and_evaluate(smoke_config, str(tmp_path / "run"))
+  assert summary["iterations"] == 0 and summary["warm_start_success_rate"] is not None
   abstract = jax.eval_shape(lambda: learner_lib.init_state(
       written, learner_lib.make_optimizer(1e-3, 1.0), jax.random.PRNGKey(0)))
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "run" / "checkpoints"), 5)

@@ -27,6 +27,7 @@ class _ScriptedEnv:
 
   def __init__(self, env, env_id: int, fn: "ScriptedFn"):
     self.env, self.env_id, self.fn = env, env_id, fn
+    self.steps = 0
     self.spec, self.num_envs, self.group_size = env.spec, env.num_envs, env.group_size
 
   def group_ids(self):
@@ -40,7 +41,9 @@ class _ScriptedEnv:
       raise FloatingPointError("simulated physics blow-up")
     if self.env_id in self.fn.slow_ids:
       time.sleep(self.fn.sleep_s)
-    if self.env_id in self.fn.hang_ids and not os.path.exists(self.fn.hang_marker):
+    self.steps += 1
+    if (self.env_id in self.fn.hang_ids and self.steps > self.fn.hang_after
+        and not os.path.exists(self.fn.hang_marker)):
       open(self.fn.hang_marker, "w").close()  # Hang once: the restarted env steps normally.
       time.sleep(120)
     return self.env.step_chunk(actions)
@@ -56,6 +59,7 @@ class ScriptedFn:
   sleep_s: float = 0.0
   hang_ids: tuple = ()
   hang_marker: str = ""
+  hang_after: int = 0  # Hang on the first step after this many.
   fail_ids: tuple = ()
   fail_build: bool = False
   num_envs: int = 4  # Of the pool: places env first_env_id in its group.
@@ -75,9 +79,10 @@ class FirstIdIgnoredFn:
     return pool_lib.config_env_fn(CFG)(0, count, seed)
 
 
-def make_pool(num_envs=4, envs_per_worker=2, env_fn=None, step_timeout_s=30.0, cfg=None):
+def make_pool(num_envs=4, envs_per_worker=2, env_fn=None, step_timeout_s=30.0, cfg=None,
+              **kwargs):
   return pool_lib.EnvPool(env_fn or pool_lib.config_env_fn(cfg or CFG), num_envs,
-                          envs_per_worker, SPEC, step_timeout_s=step_timeout_s)
+                          envs_per_worker, SPEC, step_timeout_s=step_timeout_s, **kwargs)
 
 
 def reference_envs(num_envs, seed):
@@ -258,6 +263,32 @@ def test_hung_worker_is_restarted_after_step_timeout(tmp_path):
     assert sorted(e.env_id for e in res.episodes if e.truncated) == [0, 1]
     res = pool.step_chunk(random_actions(np.random.default_rng(6), 4))
     assert (res.steps >= 1).all() and pool.stats.restarts == 1
+
+
+def test_hang_timeout_follows_the_measured_chunk_times(tmp_path, caplog):
+  """After warm-up a hang is a chunk 10x slower than any so far (with a floor), not
+  the fixed step_timeout_s; each restart is one warning line and a counter."""
+  import logging  # pylint: disable=import-outside-toplevel
+  steps_before_hang = pool_lib.HANG_MIN_CHUNKS // 4 + 1  # 4 envs: enough chunks measured.
+  fn = ScriptedFn(hang_ids=(1,), hang_marker=str(tmp_path / "hung-once"),
+                  hang_after=steps_before_hang)
+  with make_pool(env_fn=fn, step_timeout_s=120.0, hang_floor_s=0.5) as pool:
+    pool.reset(0)
+    assert pool.hang_timeout_s() == 120.0  # Warm-up: nothing measured yet.
+    rng = np.random.default_rng(8)
+    for _ in range(steps_before_hang):
+      pool.step_chunk(random_actions(rng, 4))
+    assert pool.stats.chunks >= pool_lib.HANG_MIN_CHUNKS
+    assert pool.hang_timeout_s() == max(0.5, pool_lib.HANG_FACTOR * pool.stats.slowest_chunk_s)
+    assert pool.hang_timeout_s() < 120.0
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="jaxvla.envs.pool"):
+      res = pool.step_chunk(random_actions(rng, 4))
+    assert time.monotonic() - t0 < 30.0  # Not the 120 s limit.
+    assert pool.stats.hung == 1 and pool.stats.truncated_by_fault == 2
+    assert res.truncated[:2].all()
+    assert "env worker 0 (env ids 0-1) hung (no answer within" in caplog.text
+    assert "2 episode(s) cut short" in caplog.text
 
 
 def test_simulator_exception_surfaces_with_env_id_task_and_traceback():

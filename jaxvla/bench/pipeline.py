@@ -118,7 +118,7 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
   """Throughput of one mode over ``--updates`` timed updates."""
   c = mode_config(base, name)
   env = make_vec_env(c.env, c.num_envs, c.seed, num_workers=c.env_workers,
-                     step_timeout_s=c.env_step_timeout_s)
+                     step_timeout_s=c.env_step_timeout_s, hang_floor_s=c.env_hang_floor_s)
   learner = parts.learner(c)
   state = parts.state(learner)
   pipe = pipeline_lib.Pipeline(c, parts.policy, learner, env, parts.act, parts.value,
@@ -182,7 +182,7 @@ def stage_rates(base: ml_collections.ConfigDict, parts: _Parts) -> dict[str, flo
   b_max = c.pipeline.b_max or max(1, c.num_envs // 2)
   chunk = c.model.chunk_len
   env = make_vec_env(c.env, c.num_envs, c.seed, num_workers=c.env_workers,
-                     step_timeout_s=c.env_step_timeout_s)
+                     step_timeout_s=c.env_step_timeout_s, hang_floor_s=c.env_hang_floor_s)
   try:
     rng = np.random.default_rng(0)
     actions = rng.uniform(-1, 1, (c.num_envs, chunk, env.spec.action_dim)).astype(np.float32)

@@ -40,7 +40,8 @@ def make_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
 
 
 def make_vec_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
-                 num_workers: int, step_timeout_s: float) -> VecEnv:
+                 num_workers: int, step_timeout_s: float,
+                 hang_floor_s: float = 10.0) -> VecEnv:
   """``num_envs`` envs in this process (``num_workers == 0``) or in a worker pool.
 
   With workers, each of the ``num_workers`` processes owns ``num_envs /
@@ -63,7 +64,7 @@ def make_vec_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
   spec = probe.spec
   probe.close()
   return pool.EnvPool(pool.config_env_fn(config, num_envs), num_envs, num_envs // num_workers,
-                      spec, step_timeout_s=step_timeout_s, seed=seed)
+                      spec, step_timeout_s=step_timeout_s, seed=seed, hang_floor_s=hang_floor_s)
 
 
 __all__ = ["ChunkStep", "EnvSpec", "EpisodeStats", "Observation", "VecEnv", "make_env",

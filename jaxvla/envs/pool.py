@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import logging
 import math
 import multiprocessing as mp
 import time
@@ -67,6 +68,13 @@ EnvFn = worker.EnvFn
 env_seed = worker.env_seed  # Part of the pool's API: the seeds its envs are built with.
 
 _JOIN_TIMEOUT_S = 5.0
+# Hang detection once the env's speed is known: a chunk HANG_FACTOR times slower than
+# the slowest of the first HANG_MIN_CHUNKS+ chunks (and at least hang_floor_s) is a hang.
+# Before that (simulator warm-up), step_timeout_s; it also stays the upper bound.
+HANG_FACTOR = 10.0
+HANG_MIN_CHUNKS = 16
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +112,7 @@ class PoolStats:
   hung: int = 0  # Restarts because a chunk took longer than step_timeout_s.
   sim_errors: int = 0  # Exceptions raised by a simulator (re-raised in the parent).
   truncated_by_fault: int = 0  # Episodes lost to a restart, reported as truncated.
+  slowest_chunk_s: float = 0.0  # Longest time a worker took for one step command.
   chunks: int = 0  # Env chunk steps received (faults excluded).
   env_steps: int = 0  # Actions executed by the envs.
   # Seconds the workers spent executing chunks, summed over workers (divide by
@@ -416,11 +425,14 @@ class EnvPool:
     start_method: 'spawn' or 'forkserver' (never fork: the parent runs JAX threads).
     seed: seed of the envs' construction (episodes come from ``reset(seed)``).
     start_timeout_s: time allowed for a worker to build its envs.
+    hang_floor_s: the least time a chunk may take before it is a hang, once the
+      env's chunk times are known (see :meth:`hang_timeout_s`).
   """
 
   def __init__(self, env_fn: EnvFn, num_envs: int, envs_per_worker: int,
                spec: protocol.EnvSpec, *, step_timeout_s: float,
-               start_method: str = "spawn", seed: int = 0, start_timeout_s: float = 120.0):
+               start_method: str = "spawn", seed: int = 0, start_timeout_s: float = 120.0,
+               hang_floor_s: float = 10.0):
     _check_pool_args(num_envs, envs_per_worker, start_method, step_timeout_s)
     self.spec, self.num_envs = spec, num_envs
     self.group_size = 0  # Read from the workers' envs (env.group_size) at start.
@@ -428,6 +440,7 @@ class EnvPool:
     self.stats = PoolStats()
     self._env_fn, self._seed = _for_pool(env_fn, num_envs), seed
     self._step_timeout_s, self._start_timeout_s = step_timeout_s, start_timeout_s
+    self._hang_floor_s = hang_floor_s
     self._ctx = mp.get_context(start_method)
     self._obs_layout, self._shms = worker.SharedObs.create(
         num_envs, (len(spec.camera_names), *spec.image_shape), spec.state_dim)
@@ -523,6 +536,18 @@ class EnvPool:
           f"global env first_env_id of num_envs={self.num_envs}")
 
   # ---------------------------------------------------------------- restart --
+  def hang_timeout_s(self) -> float:
+    """Seconds a worker may spend on a step command before it counts as hung.
+
+    ``step_timeout_s`` until ``HANG_MIN_CHUNKS`` chunks have been measured (the
+    simulator's warm-up), then ``HANG_FACTOR`` times the slowest chunk so far, at
+    least ``hang_floor_s`` and at most ``step_timeout_s``.
+    """
+    if self.stats.chunks < HANG_MIN_CHUNKS:
+      return self._step_timeout_s
+    return min(self._step_timeout_s,
+               max(self._hang_floor_s, HANG_FACTOR * self.stats.slowest_chunk_s))
+
   def _restart(self, w: _Worker, *, died: bool = False, hung: bool = False) -> None:
     """Kills ``w``, starts a fresh one and turns each of its envs' next result into a fault."""
     self.stats.restarts += 1
@@ -531,8 +556,13 @@ class EnvPool:
     w.kill()
     w.outstanding.clear()
     w.generation += 1
-    self.stats.truncated_by_fault += self._book.worker_restarted(
-        w.env_ids, self._groups, time.monotonic())
+    lost = self._book.worker_restarted(w.env_ids, self._groups, time.monotonic())
+    self.stats.truncated_by_fault += lost
+    why = ("died" if died else
+           f"hung (no answer within {self.hang_timeout_s():.1f} s)" if hung else "failed")
+    log.warning("env worker %d (env ids %d-%d) %s: restarted; %d episode(s) cut short "
+                "(restarts so far: %d)", w.index, w.env_ids[0], w.env_ids[-1], why, lost,
+                self.stats.restarts)
     try:
       self._spawn(w)
       self._await_started(w)
@@ -715,7 +745,7 @@ class EnvPool:
     busy = [w for w in self._workers if w.outstanding]
     if not busy:
       return
-    hang_at = min(w.busy_since for w in busy) + self._step_timeout_s
+    hang_at = min(w.busy_since for w in busy) + self.hang_timeout_s()
     wait_s = max(0.0, hang_at - time.monotonic())
     if timeout_s is not None:
       wait_s = min(wait_s, max(0.0, timeout_s))
@@ -733,7 +763,7 @@ class EnvPool:
     except (_WorkerLost, EOFError, OSError):
       self._restart(w, died=True)
       return
-    if w.outstanding and time.monotonic() - w.busy_since > self._step_timeout_s:
+    if w.outstanding and time.monotonic() - w.busy_since > self.hang_timeout_s():
       self._restart(w, hung=True)
 
   def _handle(self, w: _Worker, reply: worker.Reply) -> None:
@@ -743,7 +773,9 @@ class EnvPool:
     sent = w.outstanding.popleft()
     if not isinstance(reply, worker.StepDone):
       raise RuntimeError(f"worker {w.index} answered {type(reply).__name__} to a step command")
-    self.stats.worker_busy_s += max(0.0, reply.finished_at - w.busy_since)
+    chunk_s = max(0.0, reply.finished_at - w.busy_since)
+    self.stats.worker_busy_s += chunk_s
+    self.stats.slowest_chunk_s = max(self.stats.slowest_chunk_s, chunk_s)
     if w.outstanding:  # The next queued command started when this one finished.
       w.busy_since = max(reply.finished_at, w.outstanding[0].sent_at)
     for i, outcome, text in zip(sent.env_ids, reply.outcomes, reply.instructions):

@@ -160,6 +160,9 @@ class VecEnv(Protocol):
 class WorkerStats(Protocol):
   """What the rollout reads of an :class:`AsyncVecEnv`'s counters."""
   worker_busy_s: float  # Seconds the workers spent stepping, summed over workers.
+  restarts: int  # Worker processes restarted (died, hung or a simulator error).
+  hung: int  # ... of which because a step command outlasted the hang timeout.
+  truncated_by_fault: int  # Episodes cut short by those restarts.
 
 
 @runtime_checkable

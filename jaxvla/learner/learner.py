@@ -29,6 +29,8 @@ points in the same order (they are collectives).
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -39,6 +41,9 @@ from jaxvla import distributed, types
 from jaxvla import sharding as sharding_lib
 from jaxvla.learner import objectives, update as update_lib
 from jaxvla.models import contract
+
+
+log = logging.getLogger(__name__)
 
 
 @struct.dataclass
@@ -65,6 +70,76 @@ def init_state(params: contract.Params, tx: optax.GradientTransformation,
                rng: jax.Array) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                     rng=rng)
+
+
+# Bits of the ``nonfinite`` metric of an update (0: finite, applied).
+NONFINITE_PARTS = ((1, "loss"), (2, "gradient norm"), (4, "updated parameters"))
+
+
+def all_finite(tree) -> jax.Array:
+  """Whether every element of every leaf of ``tree`` is finite (a scalar bool)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _guard(old: TrainState, new: TrainState, loss, grad_norm) -> tuple[TrainState, jax.Array]:
+  """``new``, or ``old``'s params and optimizer state if the update was not finite.
+
+  Inside the jitted step, so a diverged update never reaches the params the rollout
+  acts with or a checkpoint. The step (policy version) and PRNG key still advance.
+
+  Returns:
+    ``(state, nonfinite)``: the bits of :data:`NONFINITE_PARTS` that failed (float32).
+  """
+  code = ((~jnp.isfinite(loss)).astype(jnp.int32) * 1
+          + (~jnp.isfinite(grad_norm)).astype(jnp.int32) * 2
+          + (~all_finite(new.params)).astype(jnp.int32) * 4)
+  keep = lambda n, o: jnp.where(code == 0, n, o)
+  state = new.replace(params=jax.tree.map(keep, new.params, old.params),
+                      opt_state=jax.tree.map(keep, new.opt_state, old.opt_state))
+  return state, code.astype(jnp.float32)
+
+
+def describe_nonfinite(code: float) -> str:
+  """``nonfinite`` metric -> e.g. ``'loss, gradient norm'``."""
+  return ", ".join(name for bit, name in NONFINITE_PARTS if int(code) & bit) or "nothing"
+
+
+class DivergenceGuard:
+  """Counts updates the learner refused as non-finite; stops the run after
+  ``max_bad`` in a row (``config.ppo.max_bad_updates``).
+
+  Args:
+    max_bad: >= 1.
+    what: names the updates in messages (``'RL update'``, ``'BC step'``).
+  """
+
+  def __init__(self, max_bad: int, what: str):
+    if max_bad < 1:
+      raise ValueError(f"max_bad must be >= 1, got {max_bad}")
+    self.max_bad, self.what = max_bad, what
+    self.in_a_row = 0
+    self.total = 0
+
+  def check(self, nonfinite: float, index: int) -> None:
+    """``nonfinite``: the update's metric; ``index``: its number, for messages.
+
+    Raises:
+      FloatingPointError: ``max_bad`` non-finite updates in a row.
+    """
+    if not nonfinite:
+      self.in_a_row = 0
+      return
+    self.in_a_row += 1
+    self.total += 1
+    parts = describe_nonfinite(nonfinite)
+    if self.in_a_row >= self.max_bad:
+      raise FloatingPointError(
+          f"{self.what} {index}: non-finite {parts}; {self.in_a_row} in a row, the run stops "
+          "(its params stay those of the last finite update, which the checkpoints hold). "
+          "Lower the learning rate or check the data; config.ppo.max_bad_updates sets how "
+          "many in a row are tolerated")
+    log.warning("%s %d: non-finite %s; not applied (%d in a row; the run stops at %d)",
+                self.what, index, parts, self.in_a_row, self.max_bad)
 
 
 class Learner:
@@ -194,8 +269,9 @@ class Learner:
     loss, grads = jax.value_and_grad(self.policy.bc_loss)(state.params, batch, actions, key)
     updates, opt_state = self.bc_tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                         rng=rng), loss
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
+    new, nonfinite = _guard(state, new, loss, optax.tree.norm(grads))
+    return new, dict(loss=loss, nonfinite=nonfinite)
 
   # --------------------------------------------------------------------- RL --
   def update(self, state: TrainState, data) -> tuple[TrainState, dict]:
@@ -215,8 +291,9 @@ class Learner:
     params, opt_state, metrics = update_lib.epochs_update(
         self.objective, self.ppo_tx, self.ppo_config, state.params, state.opt_state, data, key,
         constrain)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                         rng=rng), metrics
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
+    new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])
+    return new, dict(metrics, nonfinite=nonfinite)
 
   # --------------------------------------------------------------- streamed --
   def micro_grads(self, params, data, total_rows: int):
@@ -247,7 +324,9 @@ class Learner:
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=jnp.zeros(()))
     step = state.step + (1 if bump_version else 0)
-    return state.replace(step=step, params=params, opt_state=opt_state), metrics
+    new = state.replace(step=step, params=params, opt_state=opt_state)
+    new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])
+    return new, dict(metrics, nonfinite=nonfinite)
 
   def apply(self, state: TrainState, acc, bump_version: bool = True):
     """Applies accumulated micro-batch gradients: one optimizer update

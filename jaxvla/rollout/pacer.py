@@ -21,15 +21,16 @@ class Pacer:
   Args:
     segments_per_update: env segments one learner update consumes.
     max_staleness: ``k >= 0``.
-    started: segments already started (resume: the consumed count).
+    version: the policy version the run starts at (a resume: the checkpoint's);
+      the segments of its ``version`` updates count as consumed.
   """
 
-  def __init__(self, segments_per_update: int, max_staleness: int, started: int = 0):
+  def __init__(self, segments_per_update: int, max_staleness: int, version: int = 0):
     if max_staleness < 0:
       raise ValueError(f"pacing needs max_staleness >= 0, got {max_staleness}")
     self.segments_per_update, self.max_staleness = segments_per_update, max_staleness
-    self.started = started
-    self._version = 0
+    self.started = version * segments_per_update
+    self._version = version
     self._cond = threading.Condition()
     self._closed = False
 

@@ -223,7 +223,8 @@ class Pipeline:
 
   def __init__(self, config: ml_collections.ConfigDict, policy: contract.Policy,
                learner: learner_lib.Learner, env: protocol.VecEnv, act_fn: Callable,
-               value_fn: Callable, rollout_shardings: Any, rng: jax.Array, seed: int):
+               value_fn: Callable, rollout_shardings: Any, rng: jax.Array, seed: int,
+               version: int = 0):
     p = config.pipeline
     self.config, self.learner, self.env = config, learner, env
     self.levels = Levels.from_config(p)
@@ -235,7 +236,9 @@ class Pipeline:
     self.pacer = None
     if p.staleness_control == "pace" and self.levels.train_async:
       # PPO: env segments per update; GRPO: one episode per env per update.
-      self.pacer = pacer_lib.Pacer(config.num_envs, p.max_staleness)
+      # A resumed run (at policy ``version``) has consumed ``version`` updates' segments:
+      # the staleness bound counts from there, as in an uninterrupted run.
+      self.pacer = pacer_lib.Pacer(config.num_envs, p.max_staleness, version=version)
     self.server = None
     self._colocated: tuple[Any, int] | None = None  # sync_colocated: the learner's params.
     if self.levels.separate_params:
@@ -347,7 +350,10 @@ class Pipeline:
           state, metrics = self.learner.apply(state, acc, bump_version=last)
           acc = None
           for k, v in jax.device_get(metrics).items():
-            sums[k] += float(v) / num_minibatches
+            if k == "nonfinite":  # Bits: any minibatch's failure is the update's.
+              sums[k] = float(int(sums[k]) | int(v))
+            else:
+              sums[k] += float(v) / num_minibatches
     return state, dict(sums), env_steps
 
   def run(self, state: learner_lib.TrainState, start_env_steps: int, total_env_steps: int,
@@ -450,6 +456,9 @@ class Pipeline:
     workers = self.workers_busy(since or 0.0)
     if workers is not None:
       out["env_workers_busy"] = workers
+      stats = self.env.stats  # Fault counters since the start of this process.
+      out.update(env_restarts=float(stats.restarts), env_hangs=float(stats.hung),
+                 episodes_lost_to_faults=float(stats.truncated_by_fault))
     out.update(self.staleness.summary("staleness"))
     out.update(self.queue.summary())
     if self.server is not None:

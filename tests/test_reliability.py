@@ -1,0 +1,156 @@
+"""Runs that cannot go wrong silently: the divergence guard, the workdir lock,
+``resume`` without a checkpoint, pacing after a resume, the default workdir."""
+
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import default
+from jaxvla import checkpoint as checkpoint_lib, train, workdir as workdir_lib
+from jaxvla.envs import builtin
+from jaxvla.learner import learner as learner_lib
+from jaxvla.models import policy as policy_lib
+from jaxvla.rollout import pacer as pacer_lib
+
+
+# ------------------------------------------------------------ divergence guard --
+def test_non_finite_bc_step_is_not_applied(smoke_config):
+  env = builtin.make(smoke_config.env, 2, 0)
+  pol = policy_lib.make_policy(smoke_config.model, env.spec)
+  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  params = pol.init(jax.random.PRNGKey(0))
+  host = lambda t: jax.tree.map(np.array, jax.device_get(t))
+  before = host(params)
+  state = learner_lib.init_state(params, lrn.bc_tx, jax.random.PRNGKey(1))
+  batch = pol.prepare(env.observe())
+  bad = np.full((2, pol.chunk_len, 2), np.nan, np.float32)
+  state, metrics = lrn.bc_step(state, batch, bad)
+  assert float(metrics["nonfinite"]) != 0
+  assert "loss" in learner_lib.describe_nonfinite(float(metrics["nonfinite"]))
+  jax.tree.map(np.testing.assert_array_equal, host(state.params), before)  # Not applied.
+  assert int(state.step) == 1
+  good = np.zeros((2, pol.chunk_len, 2), np.float32)
+  state, metrics = lrn.bc_step(state, batch, good)
+  assert float(metrics["nonfinite"]) == 0 and np.isfinite(float(metrics["loss"]))
+  changed = jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, b),
+                                         host(state.params), before))
+  assert any(changed)
+
+
+def test_divergence_guard_stops_after_max_bad_in_a_row(caplog):
+  guard = learner_lib.DivergenceGuard(3, "RL update")
+  with caplog.at_level(logging.WARNING):
+    guard.check(1.0, 1)
+    guard.check(0.0, 2)  # A finite update resets the count.
+    guard.check(2.0, 3)
+    guard.check(4.0, 4)
+  assert guard.total == 3 and guard.in_a_row == 2
+  assert "RL update 3: non-finite gradient norm; not applied (1 in a row; the run stops at 3)" \
+      in caplog.text
+  with pytest.raises(FloatingPointError, match=r"RL update 5: non-finite loss, updated parameters"):
+    guard.check(5.0, 5)
+  c = default.get_config("smoke")
+  c.ppo.max_bad_updates = 0
+  with pytest.raises(ValueError, match="config.ppo.max_bad_updates"):
+    from jaxvla import config_checks  # pylint: disable=import-outside-toplevel
+    config_checks.validate(c)
+
+
+@pytest.mark.long
+def test_diverging_run_stops_and_keeps_finite_checkpoints(tmp_path, smoke_config):
+  """Finding: lr=1e3 used to log NaN and write NaN checkpoints over the good ones."""
+  c = smoke_config
+  c.ppo.learning_rate = 1e3
+  c.checkpoint.every_iters = 1
+  c.ppo.max_bad_updates = 1  # (the count in a row: test_divergence_guard_stops_after_...)
+  c.pipeline.update(mode="async", train_async=True, rollout_async=False)
+  workdir = str(tmp_path / "run")
+  with pytest.raises(FloatingPointError, match=r"RL update 1: non-finite .*; 1 in a row, the run stops"):
+    train.train_and_evaluate(c, workdir)
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), 5)
+  env = builtin.make(c.env, 2, 0)
+  pol = policy_lib.make_policy(c.model, env.spec)
+  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  abstract = checkpoint_lib.abstract_like(
+      learner_lib.init_state(pol.init(jax.random.PRNGKey(0)), lrn.ppo_tx, jax.random.PRNGKey(0)))
+  steps = ckpt.manager.all_steps()
+  assert steps, "no checkpoint"
+  for step in steps:
+    state, _ = ckpt.restore(step, abstract)
+    assert bool(learner_lib.all_finite(state.params)), step
+  ckpt.close()
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [r for r in map(json.loads, f) if r["phase"] == "train"]
+  assert records[-1]["nonfinite"] != 0 and not np.isfinite(records[-1]["loss"])
+
+
+# ---------------------------------------------------------------- workdir --
+def test_workdir_lock_is_exclusive_and_names_the_holder(tmp_path):
+  with workdir_lib.WorkdirLock(str(tmp_path)):
+    with pytest.raises(workdir_lib.WorkdirInUse, match=rf"in use by pid {os.getpid()} on "):
+      workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+    # A second run on it is refused before it writes anything.
+    with pytest.raises(workdir_lib.WorkdirInUse, match="choose another --workdir"):
+      train.train_and_evaluate(default.get_config("smoke"), str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == [".lock"]
+  with workdir_lib.WorkdirLock(str(tmp_path)):  # Released: free again.
+    pass
+
+
+def test_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, caplog):
+  with open(tmp_path / ".lock", "w") as f:  # Left by a killed run (its flock died with it).
+    json.dump(dict(host="node7", pid=999999, started="2026-01-01 00:00:00"), f)
+  with caplog.at_level(logging.WARNING), workdir_lib.WorkdirLock(str(tmp_path)):
+    pass
+  assert "taking over the lock of pid 999999 on node7" in caplog.text
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, smoke_config):
+  smoke_config.resume = True
+  with pytest.raises(FileNotFoundError, match=r"resume=True but .*typo.* holds no checkpoint"):
+    train.train_and_evaluate(smoke_config, str(tmp_path / "typo"))
+
+
+def test_default_workdir_is_timestamped():
+  import datetime  # pylint: disable=import-outside-toplevel
+  assert workdir_lib.default_workdir(datetime.datetime(2026, 11, 23, 9, 5, 7)) == os.path.join(
+      "workdirs", "20261123-090507")
+
+
+# ----------------------------------------------------------------- pacing --
+def test_pacer_after_resume_bounds_like_an_uninterrupted_run():
+  """Finding: after a resume at version 5 pacing allowed 6 + k updates' segments."""
+  fresh = pacer_lib.Pacer(segments_per_update=4, max_staleness=1)
+  resumed = pacer_lib.Pacer(segments_per_update=4, max_staleness=1, version=5)
+  # Segments of updates 0..4 were consumed; with k=1 it may start those of 5 and 6.
+  assert resumed.acquire(100, 5, block=False) == (8, 5)
+  assert resumed.started == fresh.limit(5) == 28
+
+
+# ------------------------------------------------------- run-time environment --
+def test_a_direct_start_gets_the_launch_environment():
+  """Finding: `python -m jaxvla.main` without launch/env.sh lacked the simulators'
+  environment (ManiSkill3: vk::createInstanceUnique ErrorIncompatibleDriver)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from jaxvla import runtime_env  # pylint: disable=import-outside-toplevel
+  bare = {k: v for k, v in os.environ.items()
+          if k in ("PATH", "HOME", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")}
+  wanted = runtime_env.changes(bare)
+  assert wanted["OMP_NUM_THREADS"] == "1" and wanted["MUJOCO_GL"] in ("egl", "osmesa")
+  assert "MS_SKIP_ASSET_DOWNLOAD_PROMPT" in wanted
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = ("import json, os; from jaxvla import runtime_env; runtime_env.ensure(); "
+          "print(json.dumps(dict(os.environ)))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=root, env=bare, capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  seen = json.loads(out.stdout.strip().splitlines()[-1])
+  for key, value in wanted.items():
+    assert seen.get(key) == value, key
+  # Under launch/ (or once applied) nothing is left to change.
+  assert runtime_env.changes(seen) == {}
