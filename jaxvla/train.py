@@ -157,8 +157,8 @@ def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
     pending.append(metrics)
     # Checked a few steps late, so the host does not wait for every step.
     if len(pending) == 8 or i + 1 == config.bc.num_steps:
-      for j, m in enumerate(jax.device_get(pending), start=i + 1 - len(pending)):
-        guard.check(float(m["nonfinite"]), j)
+      for step, m in enumerate(jax.device_get(pending), start=i + 2 - len(pending)):
+        guard.check(float(m["nonfinite"]), step)  # (steps numbered from 1, like updates)
         losses.append(float(m["loss"]))
       pending = []
   losses = np.asarray(losses)

@@ -30,6 +30,16 @@ def _started(keep_intervals: int = 100_000, t: float = 100.0):
   return clock, fake
 
 
+def _run_threads(work, n: int) -> None:
+  """Runs ``work(i)`` for ``i < n`` in ``n`` threads; each must end within 30 s."""
+  threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=30)
+    assert not t.is_alive()
+
+
 def _union_length(intervals, lo=-np.inf, hi=np.inf) -> float:
   """Brute-force reference: sort, clip, merge."""
   total, cur_s, cur_e = 0.0, None, None
@@ -109,12 +119,7 @@ def test_concurrent_threads_lose_no_intervals():
       with clock.busy(stage):
         pass
 
-  threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(timeout=30)
-    assert not t.is_alive()
+  _run_threads(work, n_threads)
   ivs = clock.intervals()
   assert len(ivs["env"]) == len(ivs["inference"]) == n_threads // 2 * n_each
   assert clock.recorded() == {"env": 4000, "inference": 4000, "learner": 0, "broadcast": 0}
@@ -228,12 +233,7 @@ def test_counters_threads_lose_no_additions():
       with clock.timed("timed_s"):
         pass
 
-  threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(timeout=30)
-    assert not t.is_alive()
+  _run_threads(work, n_threads)
   got = clock.counters()
   assert got["shared"] == n_threads * n_each
   assert got["own_0"] == got["own_1"] == n_threads // 2 * n_each * 0.5
@@ -266,12 +266,7 @@ def test_histogram_summary_and_ge16_bucket():
 
 def test_histogram_threads():
   h = timing.Histogram()
-  threads = [threading.Thread(target=lambda: [h.add([1, 2]) for _ in range(500)])
-             for _ in range(4)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(timeout=30)
+  _run_threads(lambda i: [h.add([1, 2]) for _ in range(500)], 4)
   assert h.counts() == {1: 2000, 2: 2000}
 
 
