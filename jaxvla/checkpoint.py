@@ -8,9 +8,14 @@ as JSON, and loads without the optimizer.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
 import json
 import logging
 import os
+import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -25,6 +30,78 @@ class CheckpointError(RuntimeError):
 def _first_line(e: BaseException) -> str:
   text = str(e).strip().splitlines()
   return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def _no_space(e: BaseException) -> bool:
+  """Whether ``e`` or an exception it was raised from is a full disk (ENOSPC).
+
+  tensorstore reports it as ``ValueError: RESOURCE_EXHAUSTED: ... No space left on
+  device [os_error_code='28']``; Python file writes as ``OSError(ENOSPC)``.
+  """
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+class _OrbaxTracebacks(logging.Filter):
+  """Drops the tracebacks orbax's save threads log (one per thread, with the same
+  cause): the failure reaches :class:`Checkpointer` as an exception, which names the
+  step and the cause in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and "orbax" in record.pathname)
+
+
+_ORBAX_TRACEBACKS = _OrbaxTracebacks()
+
+
+def _quiet_closed_loop_writes() -> None:
+  """After a failed save, tensorstore's other writes of that step still finish and
+  call back into orbax's event loop, which the failure already closed; each callback
+  reports ``RuntimeError: Event loop is closed`` through ``sys.unraisablehook`` (one
+  traceback per array), from a background thread while the run goes on. Exactly those
+  are dropped (the error of ``call_soon_threadsafe`` itself, with no caller above it);
+  the failure itself is reported once, by :class:`Checkpointer`."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_jaxvla_quiet", False):
+    return
+
+  def hook(unraisable):
+    tb = unraisable.exc_traceback
+    if (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+        and tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"):
+      return
+    previous(unraisable)
+
+  hook._jaxvla_quiet = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
+
+
+def _quiet_orbax_failures() -> None:
+  """A failed orbax write is reported once, as a :class:`CheckpointError`: its
+  threads' logged tracebacks and late callbacks are dropped (idempotent)."""
+  logging.getLogger("absl").addFilter(_ORBAX_TRACEBACKS)  # (adding it again is a no-op)
+  _quiet_closed_loop_writes()
+
+
+def _write_cause(e: BaseException, directory: str) -> str:
+  """A failed write's cause in one line; for a full disk, the space left."""
+  if _no_space(e):
+    free = shutil.disk_usage(directory).free
+    return f"no space left on device ({free / 2**20:.1f} MiB free)"
+  return _first_line(e)
+
+
+def _remove_partial_writes(directory: str) -> None:
+  """Removes the temporary directories a failed orbax write leaves in ``directory``
+  (process 0 alone: the directory is shared in a multi-host run)."""
+  if jax.process_index() == 0:
+    for tmp in glob.glob(os.path.join(directory, "*.orbax-checkpoint-tmp*")):
+      shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _path_str(path) -> str:
@@ -54,19 +131,57 @@ def params_mismatch(stored_tree, abstract_params) -> str | None:
 
 
 class Checkpointer:
-  """Periodic, asynchronous saves of the train state under ``directory``."""
+  """Periodic, asynchronous saves of the train state under ``directory``.
+
+  A save runs in the background; its failure surfaces at the next :meth:`save` or at
+  :meth:`close` as one :class:`CheckpointError` naming the step (for a full disk:
+  the free space and the intact steps), with the partial step directory removed.
+  """
 
   def __init__(self, directory: str, max_to_keep: int):
+    self.directory = os.path.abspath(directory)
     self.manager = ocp.CheckpointManager(
-        os.path.abspath(directory),
+        self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
         # Handlers named up front, so a fresh manager can read a step's metadata.
         item_handlers=dict(state=ocp.StandardCheckpointHandler(),
                            meta=ocp.JsonCheckpointHandler()))
+    self._pending: int | None = None  # the step whose background save may still fail
+    self._failed = False
+    _quiet_orbax_failures()
 
   def save(self, step: int, state, meta: dict) -> None:
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    """Starts writing ``step``; raises the previous save's failure, if any.
+
+    Raises:
+      CheckpointError: this or the previous save failed (a full disk, say).
+    """
+    self._wait()
+    with self._failure(step):
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    self._pending = step
+
+  def _wait(self) -> None:
+    if self._pending is not None:
+      with self._failure(self._pending):
+        self.manager.wait_until_finished()
+      self._pending = None
+
+  @contextlib.contextmanager
+  def _failure(self, step: int):
+    """Turns a failed write of ``step`` into one CheckpointError, removing the
+    partial step directory orbax leaves behind."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      self._failed = True
+      _remove_partial_writes(self.directory)
+      intact = [s for s in ocp.utils.checkpoint_steps(self.directory) if s != step]
+      kept = (f"the earlier checkpoints ({', '.join(map(str, sorted(intact)))}) are intact"
+              if intact else "no earlier checkpoint exists")
+      raise CheckpointError(f"checkpoint {step} could not be written to {self.directory}: "
+                            f"{_write_cause(e, self.directory)}; {kept}") from None
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -124,8 +239,20 @@ class Checkpointer:
     return out.state, out.meta
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Waits for the last save and closes the manager.
+
+    Raises:
+      CheckpointError: the last save failed (not raised again once reported).
+    """
+    try:
+      if not self._failed:
+        self._wait()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # pylint: disable=broad-except
+        if not self._failed:
+          raise
 
 
 def has_checkpoint(directory: str) -> bool:
@@ -142,8 +269,14 @@ def export_policy(directory: str, params, config_json: str, write_config: bool =
   ``write_config`` on one process only.
   """
   directory = os.path.abspath(directory)
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.join(directory, "params"), params, force=True)
+  _quiet_orbax_failures()
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(os.path.join(directory, "params"), params, force=True)
+  except Exception as e:  # pylint: disable=broad-except
+    _remove_partial_writes(directory)
+    raise CheckpointError(f"the policy export to {directory} could not be written: "
+                          f"{_write_cause(e, directory)}") from None
   if write_config:
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
       f.write(config_json)

@@ -15,7 +15,11 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from jaxvla import distributed, runtime_env, train, workdir as workdir_lib
+from jaxvla import checkpoint, distributed, runtime_env, train, workdir as workdir_lib
+
+# Errors whose message says all a user needs (the step, file or holder): one line on
+# stderr and exit status 1, without a traceback.
+_ONE_LINE_ERRORS = (checkpoint.CheckpointError, workdir_lib.WorkdirInUse, FileNotFoundError)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Config file (optionally ':variant').", lock_config=True)
@@ -41,7 +45,11 @@ def main(argv):
                            "process")
     workdir = workdir_lib.default_workdir()
     logging.getLogger("jaxvla").info("workdir: %s", workdir)
-  summary = train.train_and_evaluate(_CONFIG.value, workdir)
+  try:
+    summary = train.train_and_evaluate(_CONFIG.value, workdir)
+  except _ONE_LINE_ERRORS as e:
+    sys.stderr.write(f"error: {e}\n")
+    sys.exit(1)
   sys.stdout.write(json.dumps(summary) + "\n")
   sys.stdout.flush()
 

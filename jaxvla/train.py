@@ -374,17 +374,20 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
     try:
       state = pipe.run(state, run.env_steps, config.total_env_steps, on_update)
     finally:
-      progress.close()
-      pipe.stop()
-      if pipe.interrupted:  # Ctrl-C: the last finished update's state is saved.
-        state = last["state"]
-        _save(s, run, state, pipe)
-        log.warning("interrupted: saved checkpoint %d (policy version %d); rerun with "
-                    "--config.resume=True to continue", run.iteration, int(state.step))
-      s.checkpointer.close()
-      env.close()
-      if s.eval_env is not None:
-        s.eval_env.close()
+      # Each closed even if one before it raises (a checkpoint that could not be
+      # written must not leave env workers behind).
+      with contextlib.ExitStack() as closing:
+        if s.eval_env is not None:
+          closing.callback(s.eval_env.close)
+        closing.callback(env.close)
+        closing.callback(s.checkpointer.close)
+        progress.close()
+        pipe.stop()
+        if pipe.interrupted:  # Ctrl-C: the last finished update's state is saved.
+          state = last["state"]
+          _save(s, run, state, pipe)
+          log.warning("interrupted: saved checkpoint %d (policy version %d); rerun with "
+                      "--config.resume=True to continue", run.iteration, int(state.step))
   pipeline_metrics = pipe.metrics()
   s.writer.write(run.env_steps, "pipeline", pipeline_metrics)
   if config.pipeline.timeline and distributed.is_primary():

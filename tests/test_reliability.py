@@ -16,6 +16,8 @@ from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import pacer as pacer_lib
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 # ------------------------------------------------------------ divergence guard --
 def test_non_finite_bc_step_is_not_applied(smoke_config):
@@ -115,6 +117,85 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path, smoke_config):
     train.train_and_evaluate(smoke_config, str(tmp_path / "typo"))
 
 
+def test_one_line_errors_from_the_command_line(tmp_path):
+  """A refused resume (or checkpoint, or workdir) is one line on stderr, exit status 1."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  out = subprocess.run(
+      [sys.executable, "-m", "jaxvla.main", "--config=configs/default.py:smoke",
+       f"--workdir={tmp_path / 'typo'}", "--config.resume=True"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr, out.stderr[-2000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: --config.resume=True but ") and "holds no checkpoint" in last
+
+
+_FULL_DISK = r"""
+import json, os, sys
+import jax.numpy as jnp, numpy as np
+from jaxvla import checkpoint as checkpoint_lib
+d = os.path.join(sys.argv[1], "checkpoints")
+ckpt = checkpoint_lib.Checkpointer(d, 5)
+# ~1.2 MB a step in 20 arrays (random, so not compressed away) on a 3 MB filesystem.
+rng = np.random.default_rng(0)
+state = {f"w{i}": jnp.asarray(rng.normal(size=15_000).astype(np.float32)) for i in range(20)}
+error = None
+try:
+  for step in range(10):
+    ckpt.save(step, state, dict(step=step))
+  ckpt.close()
+except checkpoint_lib.CheckpointError as e:
+  error = str(e)
+ckpt.close()  # (a reported failure is not raised again)
+again = checkpoint_lib.Checkpointer(d, 5)
+restored, meta = again.restore(again.latest_step(), checkpoint_lib.abstract_like(state))
+ok = all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in state)
+try:
+  checkpoint_lib.export_policy(os.path.join(sys.argv[1], "export"), state, "{}")
+  export_error = None
+except checkpoint_lib.CheckpointError as e:
+  export_error = str(e)
+print(json.dumps(dict(error=error, listing=sorted(os.listdir(d)), meta=meta, ok=ok,
+                      export_error=export_error,
+                      export_listing=sorted(os.listdir(os.path.join(sys.argv[1], "export"))))))
+"""
+
+
+def test_full_disk_is_one_line_and_leaves_no_partial_step(tmp_path):
+  """Finding: a full disk's `No space left on device` was line 140 of 1,725 lines of
+  stderr, and orbax's temporary step directory stayed behind."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  mnt = tmp_path / "disk"
+  mnt.mkdir()
+  script = tmp_path / "full_disk.py"
+  script.write_text(_FULL_DISK)
+  # A size-limited filesystem of its own: a tmpfs in a private mount namespace.
+  if shutil.which("unshare") is None or subprocess.run(
+      ["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+      capture_output=True).returncode != 0:
+    pytest.skip("a full disk is made with a private tmpfs mount, which needs `unshare -rm` "
+                "(user namespaces); not available here")
+  shell = (f"mount -t tmpfs -o size=3m tmpfs {mnt} && "
+           f"{sys.executable} {script} {mnt}")
+  out = subprocess.run(["unshare", "-rm", "sh", "-c", shell], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert got["error"].startswith("checkpoint 2 could not be written to "), got
+  assert "no space left on device (" in got["error"]
+  assert got["error"].endswith("the earlier checkpoints (0, 1) are intact"), got
+  assert got["listing"] == ["0", "1"]  # No temporary step directory left behind.
+  assert got["meta"] == dict(step=1) and got["ok"]
+  assert got["export_error"].startswith("the policy export to "), got
+  assert "no space left on device" in got["export_error"] and got["export_listing"] == []
+  # orbax's save threads log their tracebacks; only the one line remains.
+  assert "Traceback" not in out.stderr and "RESOURCE_EXHAUSTED" not in out.stderr, \
+      out.stderr[-3000:]
+
+
 def test_default_workdir_is_timestamped():
   import datetime  # pylint: disable=import-outside-toplevel
   assert workdir_lib.default_workdir(datetime.datetime(2026, 11, 23, 9, 5, 7)) == os.path.join(
@@ -143,10 +224,9 @@ def test_a_direct_start_gets_the_launch_environment():
   wanted = runtime_env.changes(bare)
   assert wanted["OMP_NUM_THREADS"] == "1" and wanted["MUJOCO_GL"] in ("egl", "osmesa")
   assert "MS_SKIP_ASSET_DOWNLOAD_PROMPT" in wanted
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   code = ("import json, os; from jaxvla import runtime_env; runtime_env.ensure(); "
           "print(json.dumps(dict(os.environ)))")
-  out = subprocess.run([sys.executable, "-c", code], cwd=root, env=bare, capture_output=True,
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=bare, capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   seen = json.loads(out.stdout.strip().splitlines()[-1])
