@@ -14,6 +14,9 @@ INSTALL_REQUIRES = [
     "orbax-checkpoint",
     "grain",
     "tensorflow-datasets",  # data sources for ArrayRecord RLDS; TensorFlow itself is optional
+    "pyarrow",  # LeRobot parquet files
+    "av",  # PyAV: LeRobot mp4 frames (AV1 / H.264), decoded and, in tests, encoded
+    "pillow",  # PNG / JPEG images stored inline, resizing
     "ml-collections",
     "chex",
     "gymnasium>=0.29.1",  # mani-skill 3 needs >=0.29.1

@@ -11,6 +11,7 @@ Variants (``--config=configs/default.py:VARIANT``):
 import ml_collections
 
 from jaxvla import sharding
+from jaxvla.data import config as data_config
 
 VARIANTS = ("", "smoke", "bc_only", "bench")
 
@@ -88,6 +89,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.bc.num_steps = 3500  # Gradient steps of the warm start (0: start RL from scratch).
   c.bc.batch_size = 64  # Warm-start batch size (chunks).
   c.bc.learning_rate = 1e-3  # Warm-start Adam learning rate.
+
+  # Demonstrations on disk (RLDS / LeRobot; docs/data.md). Fields in jaxvla/data/config.py.
+  c.data = data_config.get_config()  # path '' keeps the scripted-expert demos above.
 
   c.ppo = ml_collections.ConfigDict()
   c.ppo.learning_rate = 1e-4  # Adam learning rate of the RL phase.

@@ -5,14 +5,16 @@ this file calls (one owner per rule): mesh sizes and rules
 (:func:`jaxvla.sharding.check_mesh_config`), GRPO groups
 (:func:`jaxvla.envs.protocol.group_layout`), the GRPO loss normaliser
 (:func:`jaxvla.algorithms.grpo.check_normalizer`), the pipeline mode
-(:meth:`jaxvla.runtime.pipeline.Levels.from_config`) and ``config.distributed``
-(:func:`jaxvla.distributed.validate`). The rest are relations between fields.
+(:meth:`jaxvla.runtime.pipeline.Levels.from_config`), ``config.distributed``
+(:func:`jaxvla.distributed.validate`) and ``config.data``
+(:func:`jaxvla.data.config.validate`). The rest are relations between fields.
 """
 
 import ml_collections
 
 from jaxvla import distributed, sharding
 from jaxvla.algorithms import grpo, ppo
+from jaxvla.data import config as data_config
 from jaxvla.envs import protocol
 from jaxvla.models import denoise
 from jaxvla.runtime import pipeline
@@ -67,6 +69,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   sharding.check_mesh_config(c.mesh)
   _validate_pipeline(c)
   distributed.validate(c.distributed)
+  data_config.validate(c.data)
+  _require(c.data.action_horizon in (0, c.model.chunk_len), "data.action_horizon",
+           f"BC trains on chunks of model.chunk_len={c.model.chunk_len} actions; set 0 or "
+           f"{c.model.chunk_len}, got {c.data.action_horizon}")
 
 
 def validate_batch_shards(c: ml_collections.ConfigDict, batch_shards: int,

@@ -1,0 +1,228 @@
+"""From an on-disk dataset to behaviour-cloning batches: one grain pipeline for every format.
+
+* :func:`open_reader`: the ``data`` config -> an RLDS or LeRobot reader
+  (format from the config or detected from the files).
+* :class:`StepSource`: a random-access source with one sample per step: the
+  cameras, state and instruction at the step and its next H actions with a
+  validity mask (False past the episode's end).
+* :func:`make_dataset`: grain ``MapDataset`` over that source: this process's
+  shard (``[shard_index::shard_count]``: disjoint, together complete), a seeded
+  shuffle redrawn every epoch, batches, then threads (``ReadOptions``) and
+  optionally worker processes (``mp_prefetch``). Iterators resume exactly from
+  ``get_state()`` / ``set_state()``.
+* :func:`bc_batches`: batches -> ``(batch, actions, mask)`` for
+  ``Learner.bc_step(state, batch, actions)``: ``batch`` is what
+  ``policy.prepare(obs)`` returns for the equivalent env observation.
+
+A batch of :func:`make_dataset` (B = ``batch_size``)::
+
+  images       uint8   [B, N_cam, H, W, 3]   cameras in config.data.cameras order
+  state        float32 [B, S]
+  instruction  object  [B]                   text
+  actions      float32 [B, H, A]             steps t .. t+H-1 (the last one repeated past the end)
+  action_mask  bool    [B, H]                False where t+h is past the episode's end
+  episode      int64   [B]                   episode index in the split
+  step         int64   [B]                   step t in its episode
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+import grain
+import jax
+import ml_collections
+import numpy as np
+from absl import flags
+
+from jaxvla.data import episodes as episodes_lib
+from jaxvla.data import lerobot, rlds
+from jaxvla.data.episodes import DataError, EpisodeReader, Features
+from jaxvla.envs import protocol
+
+
+def features_from_config(d: ml_collections.ConfigDict) -> Features:
+  """The dataset keys named by the ``data`` sub-config."""
+  return Features(cameras=tuple(d.cameras.values()), state=d.state_key,
+                  action=d.action_key, instruction=d.instruction_key)
+
+
+def detect_format(path: str) -> str:
+  """``'lerobot'`` (``meta/info.json``) or ``'rlds'`` (a TFDS ``dataset_info.json``).
+
+  Raises:
+    DataError: ``path`` is missing or neither.
+  """
+  if not os.path.isdir(path):
+    raise DataError(f"{path}: no such dataset directory (config.data.path)")
+  if lerobot.is_lerobot(path):
+    return "lerobot"
+  if rlds.find_dataset_dir(path) is not None:
+    return "rlds"
+  raise DataError(f"{path}: neither a LeRobot dataset (meta/info.json) nor a TFDS RLDS "
+                  "dataset (dataset_info.json); set config.data.path to the dataset's root")
+
+
+def open_reader(d: ml_collections.ConfigDict) -> EpisodeReader:
+  """Opens the dataset ``d.path`` (the ``data`` sub-config) for training.
+
+  Raises:
+    DataError: naming the file, key or episode that does not fit the config.
+  """
+  if not d.path:
+    raise DataError("config.data.path is empty: no dataset to open")
+  fmt = detect_format(d.path) if d.format == "auto" else d.format
+  if d.format != "auto" and not os.path.isdir(d.path):
+    raise DataError(f"{d.path}: no such dataset directory (config.data.path)")
+  features = features_from_config(d)
+  if fmt == "rlds":
+    return rlds.RldsReader(d.path, features, split=d.split)
+  if fmt == "lerobot":
+    return lerobot.LeRobotReader(d.path, features, split=d.split)
+  raise DataError(f"config.data.format={d.format!r} is not one of 'auto', 'rlds', 'lerobot'")
+
+
+def dataset_spec(reader: EpisodeReader, d: ml_collections.ConfigDict) -> protocol.EnvSpec:
+  """The ``EnvSpec`` a policy trained on ``reader``'s samples sees (to build one from data).
+
+  ``max_episode_steps`` is the dataset's longest episode.
+  """
+  h, w, _ = image_shape(reader, d.image_size)
+  table = reader.table
+  return protocol.EnvSpec(camera_names=tuple(d.cameras.keys()), image_shape=(h, w, 3),
+                          state_dim=int(table.state.shape[1]),
+                          action_dim=int(table.actions.shape[1]),
+                          max_episode_steps=int(table.lengths.max()))
+
+
+def image_shape(reader: EpisodeReader, image_size: int) -> tuple[int, int, int]:
+  """``(H, W, 3)`` of every sample's cameras (all must match unless resized).
+
+  Raises:
+    DataError: the cameras differ in shape and ``image_size`` is 0.
+  """
+  if image_size:
+    return image_size, image_size, 3
+  shapes = set(reader.image_shapes)
+  if len(shapes) != 1:
+    raise DataError(f"{reader.path}: cameras have different shapes "
+                    f"{list(reader.image_shapes)}; set config.data.image_size to resize them")
+  return next(iter(shapes))
+
+
+class StepSource:
+  """One sample per step of a reader's dataset (a grain random-access source).
+
+  Args:
+    reader: the opened dataset.
+    horizon: H, actions per sample.
+    image_size: resize cameras to ``[image_size, image_size, 3]`` (0: as stored).
+  """
+
+  def __init__(self, reader: EpisodeReader, horizon: int, image_size: int = 0):
+    if horizon < 1:
+      raise ValueError(f"action horizon must be >= 1, got {horizon}")
+    self.reader = reader
+    self.horizon = horizon
+    self.image_size = image_size
+    image_shape(reader, image_size)  # fails now rather than in a worker
+
+  def __len__(self) -> int:
+    return self.reader.table.num_steps
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    """Sample ``index`` (a global step): see the module docstring for the fields."""
+    table = self.reader.table
+    index = int(index)
+    episode, step = (int(x) for x in table.locate(index))
+    actions, mask = table.action_window(index, self.horizon)
+    images = self.reader.images(episode, step)
+    if self.image_size:
+      images = [episodes_lib.resize_with_pad(im, self.image_size) for im in images]
+    return dict(images=np.stack(images), state=table.state[index],
+                instruction=np.array(table.tasks[table.task_ids[index]], dtype=object),
+                actions=actions, action_mask=mask, episode=np.int64(episode),
+                step=np.int64(step))
+
+  def __repr__(self) -> str:
+    return (f"StepSource({self.reader.path}, {len(self)} steps, H={self.horizon}, "
+            f"image_size={self.image_size})")
+
+
+def make_dataset(reader: EpisodeReader, *, horizon: int, batch_size: int, seed: int,
+                 image_size: int = 0, shard_index: int | None = None,
+                 shard_count: int | None = None, num_epochs: int | None = None,
+                 num_workers: int = 0, read_threads: int = 4,
+                 drop_remainder: bool = True) -> grain.IterDataset:
+  """The batched, shuffled, sharded pipeline over ``reader``'s steps.
+
+  Args:
+    reader: the opened dataset.
+    horizon: H, actions per sample.
+    batch_size: samples per batch of this process (multi-host: the global batch
+      divided by the process count, as ``Learner.bc_step`` takes this process's rows).
+    seed: shuffle seed; epoch ``k`` is shuffled with ``seed + k``.
+    image_size: resize cameras to this square side (0: as stored).
+    shard_index, shard_count: this process's shard; default
+      ``jax.process_index()`` of ``jax.process_count()``. Shard ``i`` holds steps
+      ``i, i + n, i + 2n, ...``: shards are disjoint and cover every step.
+    num_epochs: passes over the shard (None: forever, so processes never run out
+      at different batches).
+    num_workers: grain worker processes (0: threads of this process only).
+    read_threads: threads reading batches (in each worker process, if any); twice as
+      many batches are read ahead.
+    drop_remainder: drop a last, smaller batch.
+
+  Raises:
+    ValueError: a shard outside ``[0, shard_count)``.
+  """
+  shard_index = jax.process_index() if shard_index is None else shard_index
+  shard_count = jax.process_count() if shard_count is None else shard_count
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f"shard_index={shard_index} is not in [0, shard_count={shard_count})")
+  ds = grain.MapDataset.source(StepSource(reader, horizon, image_size))
+  ds = ds[shard_index::shard_count].shuffle(seed=seed).repeat(num_epochs)
+  # Batched before the threads and workers, so each of them assembles whole batches: the
+  # batches do not depend on read_threads or num_workers.
+  ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads,
+                                            prefetch_buffer_size=2 * read_threads))
+  if num_workers:
+    # grain's workers read absl flags; outside absl.app.run they are unparsed and the
+    # workers would fail on first access.
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return it
+
+
+def from_config(d: ml_collections.ConfigDict, *, chunk_len: int, batch_size: int, seed: int,
+                shard_index: int | None = None, shard_count: int | None = None
+                ) -> tuple[grain.IterDataset, EpisodeReader]:
+  """:func:`make_dataset` for the ``data`` sub-config (H = ``d.action_horizon`` or ``chunk_len``)."""
+  reader = open_reader(d)
+  ds = make_dataset(reader, horizon=d.action_horizon or chunk_len, batch_size=batch_size,
+                    seed=seed, image_size=d.image_size, shard_index=shard_index,
+                    shard_count=shard_count, num_workers=d.num_workers,
+                    read_threads=d.read_threads)
+  return ds, reader
+
+
+def bc_batches(batches: Iterable[dict[str, np.ndarray]],
+               prepare: Callable[[protocol.Observation], dict[str, np.ndarray]]
+               ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
+  """Batches of :func:`make_dataset` -> ``(batch, actions [B, H, A], mask [B, H])``.
+
+  ``batch = prepare(Observation(images, state, instruction))``, with ``prepare``
+  the policy's own ``prepare``; ``(batch, actions)`` are the arguments of
+  ``Learner.bc_step(state, batch, actions)`` and ``mask`` marks the real actions.
+  """
+  for b in batches:
+    obs = protocol.Observation(images=b["images"], state=b["state"],
+                               instruction=np.asarray(b["instruction"], dtype=object))
+    yield prepare(obs), b["actions"], b["action_mask"]
+
+
+__all__ = ["DataError", "StepSource", "bc_batches", "dataset_spec", "detect_format",
+           "features_from_config", "from_config", "make_dataset", "open_reader"]

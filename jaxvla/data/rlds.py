@@ -1,0 +1,277 @@
+"""RLDS datasets in TFDS's on-disk ArrayRecord form: reading and writing, without TensorFlow.
+
+An RLDS dataset is a TFDS dataset of episodes; each episode has a ``steps``
+sequence whose elements carry ``observation/<keys>``, ``action``,
+``language_instruction`` and RLDS's ``is_first / is_last / is_terminal / reward /
+discount`` (OpenVLA's LIBERO sets: ``observation/image``,
+``observation/wrist_image`` 256x256x3 JPEG, ``observation/state`` [8],
+``action`` [7]).
+
+Reading goes through TFDS's own pieces: ``tfds.builder_from_directory`` for the
+metadata, ``as_data_source`` (array_record random access, one record per
+episode) for the bytes, and TFDS's NumPy example parser (its own copy of the
+``tf.Example`` proto) for the values. Images are kept encoded until a step's
+camera is asked for and then decoded by the TFDS feature itself. None of this
+imports TensorFlow; TFRecord datasets do need it, to convert them once (see
+docs/data.md).
+
+Writing (:func:`write_dataset`) uses TFDS's ``SequentialWriter`` with the
+``array_record`` format, fed ``PIL`` images that TFDS encodes with PIL (TFDS only
+needs TensorFlow to encode NumPy images).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from jaxvla.data import episodes as episodes_lib
+from jaxvla.data.episodes import DataError, Features
+
+_INFO_FILE = "dataset_info.json"
+# Parsed episodes kept per process: consecutive samples from one episode (tests, evaluation)
+# parse it once; shuffled training reads mostly miss, which costs one record parse.
+_CACHED_EPISODES = 4
+
+
+def find_dataset_dir(path: str) -> str | None:
+  """The TFDS version directory at or right under ``path`` (holding ``dataset_info.json``).
+
+  ``path`` may be the version directory itself (``.../libero_10_no_noops/1.0.0``)
+  or the dataset directory above it when it holds exactly one version.
+  """
+  if os.path.isfile(os.path.join(path, _INFO_FILE)):
+    return path
+  found = sorted(glob.glob(os.path.join(path, "*", _INFO_FILE)))
+  return os.path.dirname(found[0]) if len(found) == 1 else None
+
+
+def _import_tfds():
+  # Deferred: tensorflow_datasets takes ~0.4 s to import and only RLDS users need it.
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  return tfds
+
+
+def _flat_features(features) -> dict[str, Any]:
+  """``{'observation/image': feature, 'action': feature, ...}`` of a FeaturesDict."""
+  tfds = _import_tfds()
+  flat = {}
+  for name, feature in features.items():
+    if isinstance(feature, tfds.features.FeaturesDict):
+      flat.update({f"{name}/{k}": v for k, v in _flat_features(feature).items()})
+    else:
+      flat[name] = feature
+  return flat
+
+
+def _flat_values(tree: dict, prefix: str = "") -> dict[str, Any]:
+  """A parsed nested example as ``{'steps/observation/image': values, ...}``."""
+  flat = {}
+  for name, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flat_values(value, f"{prefix}{name}/"))
+    else:
+      flat[prefix + name] = value
+  return flat
+
+
+class RldsReader:
+  """An RLDS ArrayRecord dataset opened for training (implements ``EpisodeReader``).
+
+  Opening reads every episode once (one record parse each, images left encoded)
+  to fill the episode table.
+
+  Args:
+    path: the TFDS version directory, or the dataset directory holding one version.
+    features: the step keys to read (``observation/state``, ...).
+    split: TFDS split name.
+
+  Raises:
+    DataError: naming the path, the split, the missing or malformed step key, or
+      the episode, when the dataset does not fit ``features``.
+  """
+
+  def __init__(self, path: str, features: Features, split: str = "train"):
+    tfds = _import_tfds()
+    self.path = path
+    self.features = features
+    self.split = split
+    directory = find_dataset_dir(path)
+    if directory is None:
+      raise DataError(f"{path}: no {_INFO_FILE} here or in exactly one subdirectory "
+                      "(not a TFDS dataset directory)")
+    try:
+      builder = tfds.builder_from_directory(directory)
+    except Exception as e:  # TFDS raises several types for unreadable metadata.
+      raise DataError(f"{directory}: unreadable TFDS metadata ({type(e).__name__}: {e})") from e
+    info = builder.info
+    if "steps" not in info.features:
+      raise DataError(f"{directory}: no 'steps' feature (not an RLDS dataset); features: "
+                      f"{sorted(info.features.keys())}")
+    if split not in info.splits:
+      raise DataError(f"{directory}: no split '{split}' (config.data.split); splits: "
+                      f"{sorted(info.splits.keys())}")
+    if info.file_format is None or info.file_format.value != "array_record":
+      raise DataError(f"{directory}: stored as {info.file_format and info.file_format.value}, "
+                      "not array_record; convert it once with `tfds convert_format` "
+                      "(docs/data.md)")
+    self._dir = directory
+    self._steps = _flat_features(info.features["steps"].feature)
+    self.image_shapes = tuple(self._camera_shape(k) for k in features.cameras)
+    self._check_vector(features.state)
+    self._check_vector(features.action)
+    self._check_text(features.instruction)
+    if info.splits[split].num_examples == 0:
+      raise DataError(f"{directory}: the dataset holds no episodes (split '{split}')")
+    self._source = builder.as_data_source(
+        split=split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
+    self._parser = tfds.core.example_parser.ExampleParserNp(
+        info.features.get_serialized_info())
+    self._cache: collections.OrderedDict[int, dict] = collections.OrderedDict()
+    self.table = self._read_table()
+
+  # ------------------------------------------------------------ the schema --
+  def _feature(self, key: str):
+    if key not in self._steps:
+      raise DataError(f"{self._dir}: no step feature '{key}'; step features: "
+                      f"{sorted(self._steps)}")
+    return self._steps[key]
+
+  def _camera_shape(self, key: str) -> tuple[int, int, int]:
+    feature = self._feature(key)
+    shape = tuple(feature.shape)
+    if not isinstance(feature, _import_tfds().features.Image) or len(shape) != 3 or shape[-1] != 3 or None in shape:
+      raise DataError(f"{self._dir}: camera '{key}' is {feature!r}, expected an RGB "
+                      "Image of fixed shape (H, W, 3)")
+    return shape  # type: ignore[return-value]
+
+  def _check_vector(self, key: str) -> None:
+    shape = tuple(self._feature(key).shape)
+    if len(shape) != 1 or shape[0] is None:
+      raise DataError(f"{self._dir}: '{key}' has shape {shape} per step, expected a "
+                      "vector (D,)")
+
+  def _check_text(self, key: str) -> None:
+    if not isinstance(self._feature(key), _import_tfds().features.Text):
+      raise DataError(f"{self._dir}: instruction '{key}' is {self._feature(key)!r}, "
+                      "expected Text")
+
+  # ------------------------------------------------------------- episodes --
+  def _episode(self, episode: int) -> dict[str, Any]:
+    """Episode ``episode``'s steps as ``{key: values [T, ...]}`` (images still encoded)."""
+    if episode in self._cache:
+      self._cache.move_to_end(episode)
+      return self._cache[episode]
+    try:
+      raw = self._source[episode]
+      values = _flat_values(self._parser.parse_example(raw))
+    except Exception as e:  # array_record / protobuf errors for damaged shards.
+      raise DataError(f"{self._dir}: episode {episode} of split '{self.split}' is unreadable "
+                      f"({type(e).__name__}: {e})") from e
+    steps = {k[len("steps/"):]: v for k, v in values.items() if k.startswith("steps/")}
+    self._cache[episode] = steps
+    if len(self._cache) > _CACHED_EPISODES:
+      self._cache.popitem(last=False)
+    return steps
+
+  def _read_table(self) -> episodes_lib.EpisodeTable:
+    f = self.features
+    rows = []
+    for e in range(len(self._source)):
+      steps = self._episode(e)
+      texts = [t.decode("utf-8") if isinstance(t, bytes) else str(t)
+               for t in np.asarray(steps[f.instruction]).reshape(-1)]
+      state = np.asarray(steps[f.state], np.float32).reshape(len(texts), -1)
+      actions = np.asarray(steps[f.action], np.float32).reshape(len(texts), -1)
+      rows.append((state, actions, texts))
+    return episodes_lib.build_table(rows, f"{self._dir} (split '{self.split}')", f)
+
+  def images(self, episode: int, step: int) -> list[np.ndarray]:
+    """``uint8 [H, W, 3]`` per camera of step ``step`` of episode ``episode``."""
+    steps = self._episode(episode)
+    out = []
+    for key, shape in zip(self.features.cameras, self.image_shapes):
+      where = f"{self._dir}: episode {episode} step {step}"
+      try:
+        image = self._steps[key].decode_example_np(steps[key][step])
+      except Exception as e:  # cv2 / PIL errors on damaged image bytes.
+        raise DataError(f"{where}: camera '{key}' does not decode ({e})") from e
+      out.append(episodes_lib.check_image(image, shape, key, where))
+    return out
+
+  def __getstate__(self) -> dict:
+    # grain's worker processes get a copy: the cache is per process.
+    state = dict(self.__dict__)
+    state["_cache"] = collections.OrderedDict()
+    return state
+
+
+# ------------------------------------------------------------------ writing --
+def step_features(camera_shapes: dict[str, tuple[int, int, int]], state_dim: int,
+                  action_dim: int, image_format: str = "png"):
+  """TFDS features of an RLDS dataset with these cameras (``observation/<camera>``).
+
+  The layout is OpenVLA's / Open X-Embodiment's: per step ``observation``
+  (cameras and ``state``), ``action``, ``reward``, ``discount``,
+  ``is_first / is_last / is_terminal`` and ``language_instruction``; per episode
+  ``episode_metadata/success``.
+  """
+  tfds = _import_tfds()
+  observation = {name: tfds.features.Image(shape=tuple(shape), dtype=np.uint8,
+                                           encoding_format=image_format)
+                 for name, shape in camera_shapes.items()}
+  observation["state"] = tfds.features.Tensor(shape=(state_dim,), dtype=np.float32)
+  return tfds.features.FeaturesDict({
+      "steps": tfds.features.Dataset({
+          "observation": tfds.features.FeaturesDict(observation),
+          "action": tfds.features.Tensor(shape=(action_dim,), dtype=np.float32),
+          "reward": tfds.features.Scalar(dtype=np.float32),
+          "discount": tfds.features.Scalar(dtype=np.float32),
+          "is_first": tfds.features.Scalar(dtype=np.bool_),
+          "is_last": tfds.features.Scalar(dtype=np.bool_),
+          "is_terminal": tfds.features.Scalar(dtype=np.bool_),
+          "language_instruction": tfds.features.Text(),
+      }),
+      "episode_metadata": tfds.features.FeaturesDict({
+          "success": tfds.features.Scalar(dtype=np.bool_),
+      }),
+  })
+
+
+def write_dataset(directory: str, features, examples: Iterable[dict], *, name: str,
+                  description: str = "", split: str = "train",
+                  max_examples_per_shard: int = 1000) -> int:
+  """Writes ``examples`` (one nested dict per episode) as a TFDS ArrayRecord dataset.
+
+  ``directory`` becomes the TFDS version directory (``dataset_info.json``,
+  ``features.json``, ``<name>-<split>.array_record-0000N``); it must not hold a
+  dataset already. Images in ``examples`` must be ``PIL.Image`` objects (TFDS
+  encodes those without TensorFlow). Episodes are written as they come.
+
+  Returns:
+    the number of episodes written.
+
+  Raises:
+    FileExistsError: ``directory`` already holds a dataset.
+  """
+  tfds = _import_tfds()
+  if os.path.exists(os.path.join(directory, _INFO_FILE)):
+    raise FileExistsError(f"{directory} already holds a TFDS dataset; choose another --out")
+  os.makedirs(directory, exist_ok=True)
+  identity = tfds.core.DatasetIdentity(name=name, version=tfds.core.Version("1.0.0"),
+                                       data_dir=directory, module_name="jaxvla.data.rlds")
+  info = tfds.core.DatasetInfo(builder=identity, features=features, description=description)
+  writer = tfds.core.SequentialWriter(info, max_examples_per_shard=max_examples_per_shard,
+                                      file_format="array_record")
+  writer.initialize_splits([split])
+  count = 0
+  for example in examples:
+    writer.add_examples({split: [example]})
+    count += 1
+  writer.close_all()
+  return count

@@ -1,0 +1,483 @@
+"""On-disk demonstrations: RLDS (TFDS ArrayRecord) and LeRobot v2.1 / v3 readers, the grain
+pipeline.
+
+The datasets are written here in the real layouts, tiny (3 episodes of at most 12
+steps, 16x16 images): RLDS through TFDS's own writer with OpenVLA's LIBERO
+feature names, LeRobot with pyarrow parquet files and PyAV mp4s (AV1, a keyframe
+every 2 frames, as LeRobot encodes).
+"""
+
+import json
+import os
+
+import av
+import jax
+import numpy as np
+import PIL.Image
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tensorflow_datasets as tfds
+
+from configs import default
+from jaxvla import config_checks
+from jaxvla.data import config as data_config
+from jaxvla.data import pipeline, rlds
+from jaxvla.data.episodes import DataError
+from jaxvla.models import policy as policy_lib
+
+LENGTHS = (12, 7, 9)  # steps of the 3 episodes
+STATE, ACTION, SIZE, FPS = 8, 7, 16, 10
+TASKS = ("put the bowl on the plate", "open the drawer")
+# Mean absolute pixel error allowed after lossy coding of these smooth frames (measured:
+# 1.3 JPEG, 1.9 AV1); the frames of consecutive steps differ by more than 19, so a
+# wrong frame cannot pass.
+JPEG_TOL, VIDEO_TOL = 5.0, 5.0
+
+
+# ------------------------------------------------------------------- the data --
+def _frame(rng: np.random.Generator) -> np.ndarray:
+  """A smooth ``uint8 [16, 16, 3]`` frame (a colour plus a gentle ramp): codecs keep it."""
+  base = rng.uniform(40, 200, 3)
+  ramp = np.linspace(0, 24, SIZE)[None, :, None] + np.linspace(0, 12, SIZE)[:, None, None]
+  return np.clip(base + ramp, 0, 255).astype(np.uint8)
+
+
+def _make_episodes(seed: int = 0) -> list[dict]:
+  """Per episode: ``state [T, 8]``, ``actions [T, 7]``, two cameras ``[T, 16, 16, 3]``, task."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for e, t in enumerate(LENGTHS):
+    frames = [np.stack([_frame(rng) for _ in range(t)]) for _ in range(2)]
+    for f in frames:  # consecutive frames far apart, so an off-by-one frame is caught
+      f[1::2] = 255 - f[1::2]
+    out.append(dict(state=rng.normal(size=(t, STATE)).astype(np.float32),
+                    actions=rng.uniform(-1, 1, (t, ACTION)).astype(np.float32),
+                    images=frames, task=e % 2))
+  return out
+
+
+EPISODES = _make_episodes()
+
+
+def _all(key: str) -> np.ndarray:
+  return np.concatenate([ep[key] for ep in EPISODES])
+
+
+# ----------------------------------------------------------------------- RLDS --
+def _openvla_features(num_state: int = STATE):
+  """OpenVLA's LIBERO RLDS features (modified_libero_rlds), at 16 px."""
+  image = lambda: tfds.features.Image(shape=(SIZE, SIZE, 3), dtype=np.uint8,
+                                      encoding_format="jpeg")
+  return tfds.features.FeaturesDict({
+      "steps": tfds.features.Dataset({
+          "observation": tfds.features.FeaturesDict({
+              "image": image(), "wrist_image": image(),
+              "state": tfds.features.Tensor(shape=(num_state,), dtype=np.float32),
+              "joint_state": tfds.features.Tensor(shape=(7,), dtype=np.float32),
+          }),
+          "action": tfds.features.Tensor(shape=(ACTION,), dtype=np.float32),
+          "discount": tfds.features.Scalar(dtype=np.float32),
+          "reward": tfds.features.Scalar(dtype=np.float32),
+          "is_first": tfds.features.Scalar(dtype=np.bool_),
+          "is_last": tfds.features.Scalar(dtype=np.bool_),
+          "is_terminal": tfds.features.Scalar(dtype=np.bool_),
+          "language_instruction": tfds.features.Text(),
+      }),
+      "episode_metadata": tfds.features.FeaturesDict({"file_path": tfds.features.Text()}),
+  })
+
+
+def _openvla_examples(episodes: list[dict]):
+  for e, ep in enumerate(episodes):
+    t = len(ep["actions"])
+    yield dict(steps=[dict(
+        observation=dict(image=PIL.Image.fromarray(ep["images"][0][i]),
+                         wrist_image=PIL.Image.fromarray(ep["images"][1][i]),
+                         state=ep["state"][i], joint_state=np.zeros(7, np.float32)),
+        action=ep["actions"][i], discount=1.0, reward=float(i == t - 1), is_first=i == 0,
+        is_last=i == t - 1, is_terminal=i == t - 1, language_instruction=TASKS[ep["task"]])
+        for i in range(t)], episode_metadata=dict(file_path=f"demo_{e}.hdf5"))
+
+
+def write_openvla_rlds(directory: str, episodes: list[dict] = EPISODES) -> str:
+  version_dir = os.path.join(directory, "1.0.0")
+  rlds.write_dataset(version_dir, _openvla_features(), _openvla_examples(episodes),
+                     name="libero_tiny_no_noops", max_examples_per_shard=2)
+  return directory
+
+
+def openvla_config(path: str):
+  d = data_config.get_config("openvla_libero")
+  d.path = path
+  return d
+
+
+# -------------------------------------------------------------------- LeRobot --
+def _write_mp4(path: str, frames: np.ndarray) -> None:
+  """``frames [T, H, W, 3]`` as LeRobot encodes them: AV1 (SVT), yuv420p, keyframe every 2."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with av.open(path, "w") as container:
+    stream = container.add_stream("libsvtav1", rate=FPS, options={"g": "2", "crf": "30"})
+    stream.width, stream.height, stream.pix_fmt = SIZE, SIZE, "yuv420p"
+    for frame in frames:
+      container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+    container.mux(stream.encode())
+
+
+def _png(image: np.ndarray) -> bytes:
+  buf = pa.BufferOutputStream()
+  PIL.Image.fromarray(image).save(buf, format="png")
+  return buf.getvalue().to_pybytes()
+
+
+def _frames_table(episodes, first_index: int, keys: dict, video: bool) -> pa.Table:
+  """Frame rows of ``episodes`` (list of (episode_index, episode)) in LeRobot's columns."""
+  cols = {keys["state"]: [], keys["action"]: [], "timestamp": [], "frame_index": [],
+          "episode_index": [], "index": [], "task_index": []}
+  if not video:
+    cols.update({k: [] for k in keys["cameras"]})
+  index = first_index
+  for ep_index, ep in episodes:
+    for i in range(len(ep["actions"])):
+      cols[keys["state"]].append(ep["state"][i].tolist())
+      cols[keys["action"]].append(ep["actions"][i].tolist())
+      cols["timestamp"].append(i / FPS)
+      cols["frame_index"].append(i)
+      cols["episode_index"].append(ep_index)
+      cols["index"].append(index)
+      cols["task_index"].append(ep["task"])
+      if not video:
+        for c, k in enumerate(keys["cameras"]):
+          cols[k].append({"bytes": _png(ep["images"][c][i]), "path": None})
+      index += 1
+  types = {keys["state"]: pa.list_(pa.float32(), STATE),
+           keys["action"]: pa.list_(pa.float32(), ACTION), "timestamp": pa.float32(),
+           "frame_index": pa.int64(), "episode_index": pa.int64(), "index": pa.int64(),
+           "task_index": pa.int64()}
+  types.update({k: pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+                for k in keys["cameras"] if not video})
+  return pa.table({k: pa.array(v, type=types[k]) for k, v in cols.items()})
+
+
+def _info(version: str, keys: dict, video: bool) -> dict:
+  camera = {"dtype": "video" if video else "image", "shape": [SIZE, SIZE, 3],
+            "names": ["height", "width", "channel"]}
+  features = {k: dict(camera) for k in keys["cameras"]}
+  features[keys["state"]] = {"dtype": "float32", "shape": [STATE], "names": None}
+  features[keys["action"]] = {"dtype": "float32", "shape": [ACTION], "names": None}
+  for k, t in (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"),
+               ("index", "int64"), ("task_index", "int64")):
+    features[k] = {"dtype": t, "shape": [1], "names": None}
+  info = {"codebase_version": version, "robot_type": "panda", "total_episodes": len(EPISODES),
+          "total_frames": sum(LENGTHS), "total_tasks": len(TASKS), "chunks_size": 1000,
+          "fps": FPS, "splits": {"train": f"0:{len(EPISODES)}"}, "features": features}
+  if version == "v3.0":
+    info.update(data_path="data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+                video_path="videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+                if video else None, data_files_size_in_mb=100, video_files_size_in_mb=200)
+  else:
+    info.update(data_path="data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
+                video_path="videos/chunk-{episode_chunk:03d}/{video_key}/"
+                "episode_{episode_index:06d}.mp4" if video else None,
+                total_chunks=1, total_videos=len(EPISODES) * 2 if video else 0)
+  return info
+
+
+VIDEO_KEYS = dict(cameras=("observation.images.image", "observation.images.wrist_image"),
+                  state="observation.state", action="action")
+OPENPI_KEYS = dict(cameras=("image", "wrist_image"), state="state", action="actions")
+
+
+def write_lerobot_v21(root: str, keys: dict = VIDEO_KEYS, video: bool = True) -> str:
+  """LeRobot v2.1: a parquet (and an mp4 per camera) per episode, jsonl metadata."""
+  os.makedirs(os.path.join(root, "meta"))
+  with open(os.path.join(root, "meta", "info.json"), "w") as f:
+    json.dump(_info("v2.1", keys, video), f)
+  with open(os.path.join(root, "meta", "tasks.jsonl"), "w") as f:
+    f.writelines(json.dumps({"task_index": i, "task": t}) + "\n" for i, t in enumerate(TASKS))
+  with open(os.path.join(root, "meta", "episodes.jsonl"), "w") as f:
+    f.writelines(json.dumps({"episode_index": e, "tasks": [TASKS[ep["task"]]],
+                             "length": len(ep["actions"])}) + "\n"
+                 for e, ep in enumerate(EPISODES))
+  start = 0
+  for e, ep in enumerate(EPISODES):
+    path = os.path.join(root, "data", "chunk-000", f"episode_{e:06d}.parquet")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(_frames_table([(e, ep)], start, keys, video), path)
+    start += len(ep["actions"])
+    for c, key in enumerate(keys["cameras"] if video else ()):
+      _write_mp4(os.path.join(root, "videos", "chunk-000", key, f"episode_{e:06d}.mp4"),
+                 ep["images"][c])
+  return root
+
+
+def write_lerobot_v3(root: str, keys: dict = VIDEO_KEYS) -> str:
+  """LeRobot v3.0: episodes 0-1 packed in data file-000, episode 2 in file-001; one mp4 per
+  camera holding every episode, with each episode's from/to timestamps in meta/episodes."""
+  os.makedirs(os.path.join(root, "meta", "episodes", "chunk-000"))
+  with open(os.path.join(root, "meta", "info.json"), "w") as f:
+    json.dump(_info("v3.0", keys, True), f)
+  # LeRobot writes a pandas DataFrame indexed by the task text: columns task_index, task.
+  pq.write_table(pa.table({"task_index": list(range(len(TASKS))), "task": list(TASKS)}),
+                 os.path.join(root, "meta", "tasks.parquet"))
+  files = [[0, 1], [2]]
+  meta, start = [], 0
+  for file_index, members in enumerate(files):
+    eps = [(e, EPISODES[e]) for e in members]
+    path = os.path.join(root, "data", "chunk-000", f"file-{file_index:03d}.parquet")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(_frames_table(eps, start, keys, True), path)
+    for e, ep in eps:
+      meta.append({"episode_index": e, "tasks": [TASKS[ep["task"]]], "length": len(ep["actions"]),
+                   "data/chunk_index": 0, "data/file_index": file_index,
+                   "dataset_from_index": start, "dataset_to_index": start + len(ep["actions"]),
+                   "stats/action/mean": ep["actions"].mean(0).tolist(),
+                   "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})
+      start += len(ep["actions"])
+  for c, key in enumerate(keys["cameras"]):
+    t0 = 0.0
+    for m, ep in zip(meta, EPISODES):
+      duration = len(ep["actions"]) / FPS
+      m.update({f"videos/{key}/chunk_index": 0, f"videos/{key}/file_index": 0,
+                f"videos/{key}/from_timestamp": t0, f"videos/{key}/to_timestamp": t0 + duration})
+      t0 += duration
+    _write_mp4(os.path.join(root, "videos", key, "chunk-000", "file-000.mp4"),
+               np.concatenate([ep["images"][c] for ep in EPISODES]))
+  pq.write_table(pa.Table.from_pylist(meta),
+                 os.path.join(root, "meta", "episodes", "chunk-000", "file-000.parquet"))
+  return root
+
+
+def lerobot_config(path: str, keys: dict = VIDEO_KEYS):
+  d = data_config.get_config("openpi_libero")
+  d.path, d.format = path, "auto"
+  d.cameras.agentview, d.cameras.robot0_eye_in_hand = keys["cameras"]
+  d.state_key, d.action_key = keys["state"], keys["action"]
+  return d
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> dict[str, str]:
+  root = tmp_path_factory.mktemp("datasets")
+  return dict(rlds=write_openvla_rlds(str(root / "rlds")),
+              v21=write_lerobot_v21(str(root / "v21")),
+              v21_inline=write_lerobot_v21(str(root / "v21_inline"), OPENPI_KEYS, video=False),
+              v3=write_lerobot_v3(str(root / "v3")))
+
+
+def _configs(datasets: dict[str, str]) -> dict:
+  return dict(rlds=openvla_config(datasets["rlds"]), v21=lerobot_config(datasets["v21"]),
+              v21_inline=lerobot_config(datasets["v21_inline"], OPENPI_KEYS),
+              v3=lerobot_config(datasets["v3"]))
+
+
+# ------------------------------------------------------------------ round trips --
+@pytest.mark.parametrize("name,tolerance", [("rlds", JPEG_TOL), ("v21", VIDEO_TOL),
+                                            ("v21_inline", 0.0), ("v3", VIDEO_TOL)])
+def test_round_trip(datasets, name, tolerance):
+  d = _configs(datasets)[name]
+  reader = pipeline.open_reader(d)
+  table = reader.table
+  np.testing.assert_array_equal(table.lengths, LENGTHS)
+  np.testing.assert_array_equal(table.state, _all("state"))
+  np.testing.assert_array_equal(table.actions, _all("actions"))
+  assert [table.tasks[i] for i in table.task_ids] == [
+      TASKS[ep["task"]] for ep in EPISODES for _ in ep["actions"]]
+  for e, ep in enumerate(EPISODES):
+    for step in range(len(ep["actions"])):
+      for c, image in enumerate(reader.images(e, step)):
+        err = np.abs(image.astype(float) - ep["images"][c][step]).mean()
+        assert err <= tolerance, (name, e, step, c, err)
+  spec = pipeline.dataset_spec(reader, d)
+  assert spec.camera_names == ("agentview", "robot0_eye_in_hand")
+  assert (spec.image_shape, spec.state_dim, spec.action_dim) == ((SIZE, SIZE, 3), STATE, ACTION)
+  assert spec.max_episode_steps == max(LENGTHS)
+
+
+def test_formats_are_detected(datasets):
+  assert pipeline.detect_format(datasets["rlds"]) == "rlds"
+  assert pipeline.detect_format(os.path.join(datasets["rlds"], "1.0.0")) == "rlds"
+  assert pipeline.detect_format(datasets["v3"]) == "lerobot"
+
+
+def test_samples_have_action_windows_masked_at_episode_ends(datasets):
+  source = pipeline.StepSource(pipeline.open_reader(_configs(datasets)["v21_inline"]), horizon=5)
+  last = LENGTHS[0] - 1
+  for step, valid in ((0, 5), (last - 4, 5), (last - 2, 3), (last, 1)):
+    s = source[step]  # episode 0
+    np.testing.assert_array_equal(s["action_mask"], np.arange(5) < valid)
+    real = EPISODES[0]["actions"][step:step + valid]
+    np.testing.assert_array_equal(s["actions"][:valid], real)
+    np.testing.assert_array_equal(s["actions"][valid:], np.repeat(real[-1:], 5 - valid, 0))
+    np.testing.assert_array_equal(s["state"], EPISODES[0]["state"][step])
+  first = source[LENGTHS[0]]  # the next episode's first step: nothing leaks across
+  assert (int(first["episode"]), int(first["step"])) == (1, 0)
+  np.testing.assert_array_equal(first["actions"], EPISODES[1]["actions"][:5])
+
+
+def test_images_resized_with_padding(datasets):
+  d = _configs(datasets)["v21_inline"]
+  d.image_size = 8
+  batch = next(iter(pipeline.make_dataset(pipeline.open_reader(d), horizon=2, batch_size=3,
+                                          seed=0, image_size=8, shard_index=0, shard_count=1)))
+  assert batch["images"].shape == (3, 2, 8, 8, 3) and batch["images"].dtype == np.uint8
+  wide = np.zeros((4, 8, 3), np.uint8) + 200
+  out = pipeline.episodes_lib.resize_with_pad(wide, 8)  # aspect kept: rows 2..5, zero bands
+  assert out.shape == (8, 8, 3) and out[:2].max() == 0 and out[6:].max() == 0
+  assert out[2:6].min() == 200
+
+
+# ------------------------------------------------------------------- pipeline --
+def _keys(batches) -> list[tuple[int, int]]:
+  return [(int(e), int(s)) for b in batches for e, s in zip(b["episode"], b["step"])]
+
+
+def test_two_process_shards_are_disjoint_and_complete(datasets):
+  reader = pipeline.open_reader(_configs(datasets)["rlds"])
+  shards = [_keys(pipeline.make_dataset(reader, horizon=3, batch_size=4, seed=1, shard_index=i,
+                                        shard_count=2, num_epochs=1, drop_remainder=False))
+            for i in range(2)]
+  assert not set(shards[0]) & set(shards[1])
+  everything = {(e, s) for e, t in enumerate(LENGTHS) for s in range(t)}
+  assert set(shards[0]) | set(shards[1]) == everything
+  assert len(shards[0]) + len(shards[1]) == sum(LENGTHS)
+  # The shuffle is seeded and redrawn each epoch.
+  again = _keys(pipeline.make_dataset(reader, horizon=3, batch_size=4, seed=1, shard_index=0,
+                                      shard_count=2, num_epochs=2, drop_remainder=False))
+  assert again[:len(shards[0])] == shards[0] and again[len(shards[0]):] != shards[0]
+
+
+def test_resume_from_grain_state(datasets):
+  ds = pipeline.make_dataset(pipeline.open_reader(_configs(datasets)["v3"]), horizon=4,
+                             batch_size=3, seed=7, shard_index=0, shard_count=1)
+  it = iter(ds)
+  for _ in range(4):  # past the first epoch (28 steps / 3)
+    next(it)
+  state = it.get_state()
+  expected = [next(it) for _ in range(8)]
+  resumed = iter(ds)
+  resumed.set_state(state)
+  for want in expected:
+    got = next(resumed)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_worker_processes_give_the_same_batches(datasets):
+  reader = pipeline.open_reader(_configs(datasets)["rlds"])
+  kwargs = dict(horizon=2, batch_size=4, seed=3, shard_index=0, shard_count=1, num_epochs=1)
+  in_process = _keys(pipeline.make_dataset(reader, **kwargs))
+  it = iter(pipeline.make_dataset(reader, num_workers=2, **kwargs))
+  try:
+    assert _keys(it) == in_process
+  finally:
+    it.close()
+
+
+def test_bc_batches_fit_the_policy(datasets):
+  """``(batch, actions, mask)`` is what ``policy.bc_loss`` (inside ``Learner.bc_step``) takes."""
+  d = _configs(datasets)["v21"]
+  reader = pipeline.open_reader(d)
+  c = default.get_config()
+  policy = policy_lib.make_policy(c.model, pipeline.dataset_spec(reader, d))
+  batches = pipeline.make_dataset(reader, horizon=c.model.chunk_len, batch_size=4, seed=0,
+                                  shard_index=0, shard_count=1)
+  batch, actions, mask = next(pipeline.bc_batches(batches, policy.prepare))
+  assert set(batch) == {"images", "state", "tokens", "token_mask"}
+  assert batch["images"].shape == (4, 2, SIZE, SIZE, 3)
+  assert actions.shape == (4, c.model.chunk_len, ACTION) and mask.shape == (4, c.model.chunk_len)
+  loss = jax.eval_shape(policy.bc_loss, policy.abstract_params(), batch, actions,
+                        jax.random.key(0))
+  assert loss.shape == ()
+
+
+# ---------------------------------------------------------------- bad datasets --
+def _expect(match: str, d) -> None:
+  with pytest.raises(DataError, match=match) as info:
+    pipeline.open_reader(d)
+  assert len(str(info.value)) < 400  # one line a user reads, not a dump
+
+
+def test_missing_keys_are_named(datasets):
+  d = openvla_config(datasets["rlds"])
+  d.state_key = "observation/proprio"
+  _expect("no step feature 'observation/proprio'", d)
+  d = lerobot_config(datasets["v21"])
+  d.cameras.robot0_eye_in_hand = "observation.images.side"
+  _expect("no feature 'observation.images.side'", d)
+  d = openvla_config(datasets["rlds"])
+  d.split = "val"
+  _expect("no split 'val'", d)
+
+
+def test_wrong_shapes_are_named(tmp_path):
+  d = openvla_config(str(tmp_path / "rlds"))
+  d.cameras.agentview = "observation/state"  # a vector where a camera belongs
+  write_openvla_rlds(d.path, EPISODES[:1])
+  _expect("camera 'observation/state'", d)
+  root = write_lerobot_v21(str(tmp_path / "ragged"), OPENPI_KEYS, video=False)
+  path = os.path.join(root, "data", "chunk-000", "episode_000001.parquet")
+  table = pq.read_table(path)
+  ragged = [row[:STATE - (i % 2)] for i, row in enumerate(table.column("state").to_pylist())]
+  table = table.set_column(table.column_names.index("state"), "state",
+                           pa.array(ragged, pa.list_(pa.float32())))
+  pq.write_table(table, path)
+  _expect(r"episode_000001.parquet: episode 1: 'state' rows have lengths \[7, 8\]",
+          lerobot_config(root, OPENPI_KEYS))
+
+
+def test_empty_datasets_fail(tmp_path):
+  d = openvla_config(str(tmp_path / "rlds"))
+  write_openvla_rlds(d.path, [])
+  _expect("holds no episodes", d)
+  root = write_lerobot_v21(str(tmp_path / "lerobot"), OPENPI_KEYS, video=False)
+  open(os.path.join(root, "meta", "episodes.jsonl"), "w").close()
+  _expect("holds no episodes", lerobot_config(root, OPENPI_KEYS))
+  d = openvla_config(str(tmp_path / "nothing"))
+  os.makedirs(d.path)
+  d.format = "auto"
+  _expect("neither a LeRobot dataset", d)
+
+
+def test_unreadable_files_are_named(tmp_path):
+  d = openvla_config(str(tmp_path / "rlds"))
+  write_openvla_rlds(d.path)
+  shard = os.path.join(d.path, "1.0.0", "libero_tiny_no_noops-train.array_record-00001")
+  with open(shard, "r+b") as f:  # overwrite the records of the second shard
+    f.seek(64)
+    f.write(b"\0" * 4000)
+  _expect("episode 2 of split 'train' is unreadable", d)
+  root = write_lerobot_v3(str(tmp_path / "v3"))
+  data = os.path.join(root, "data", "chunk-000", "file-001.parquet")
+  with open(data, "wb") as f:
+    f.write(b"not parquet")
+  _expect("file-001.parquet: unreadable parquet", lerobot_config(root))
+  root = write_lerobot_v21(str(tmp_path / "v21"))
+  video = os.path.join(root, "videos", "chunk-000", VIDEO_KEYS["cameras"][0],
+                       "episode_000002.mp4")
+  with open(video, "wb") as f:
+    f.write(b"\0" * 100)
+  reader = pipeline.open_reader(lerobot_config(root))
+  with pytest.raises(DataError, match="episode_000002.mp4: unreadable video"):
+    reader.images(2, 0)
+
+
+# --------------------------------------------------------------------- config --
+def test_default_config_keeps_the_in_memory_warm_start():
+  c = default.get_config()
+  assert c.data.path == ""
+  config_checks.validate(c)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("format", "zarr", "config.data.format"),
+    ("action_horizon", 3, "config.data.action_horizon"),
+    ("image_size", -1, "config.data.image_size"),
+    ("num_workers", -2, "config.data.num_workers"),
+])
+def test_bad_data_config_names_the_key(key, value, match):
+  c = default.get_config()
+  c.data[key] = value
+  with pytest.raises(ValueError, match=match):
+    config_checks.validate(c)
