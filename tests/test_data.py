@@ -1,5 +1,5 @@
 """On-disk demonstrations: RLDS (TFDS ArrayRecord) and LeRobot v2.1 / v3 readers, the grain
-pipeline.
+pipeline and normalisation statistics.
 
 The datasets are written here in the real layouts, tiny (3 episodes of at most 12
 steps, 16x16 images): RLDS through TFDS's own writer with OpenVLA's LIBERO
@@ -22,7 +22,7 @@ import tensorflow_datasets as tfds
 from configs import default
 from jaxvla import config_checks
 from jaxvla.data import config as data_config
-from jaxvla.data import pipeline, rlds
+from jaxvla.data import norm_stats, pipeline, rlds
 from jaxvla.data.episodes import DataError
 from jaxvla.models import policy as policy_lib
 
@@ -390,6 +390,48 @@ def test_bc_batches_fit_the_policy(datasets):
   loss = jax.eval_shape(policy.bc_loss, policy.abstract_params(), batch, actions,
                         jax.random.key(0))
   assert loss.shape == ()
+
+
+# ----------------------------------------------------------------- statistics --
+def test_norm_stats_against_numpy(datasets, tmp_path):
+  stats = norm_stats.compute(pipeline.open_reader(_configs(datasets)["v3"]).table)
+  for name, values in (("state", _all("state")), ("actions", _all("actions"))):
+    v = values.astype(np.float64)
+    np.testing.assert_allclose(stats[name].mean, v.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(stats[name].std, v.std(0), rtol=1e-6)
+    np.testing.assert_allclose(stats[name].q01, np.quantile(v, 0.01, axis=0), rtol=1e-6)
+    np.testing.assert_allclose(stats[name].q99, np.quantile(v, 0.99, axis=0), rtol=1e-6)
+  file = norm_stats.save(str(tmp_path / "assets"), stats)
+  body = json.load(open(file))
+  assert file.endswith("norm_stats.json") and set(body) == {"norm_stats"}
+  assert set(body["norm_stats"]["state"]) == {"mean", "std", "q01", "q99"}
+  assert all(isinstance(x, float) for x in body["norm_stats"]["actions"]["q99"])
+  loaded = norm_stats.load(str(tmp_path / "assets"))
+  np.testing.assert_array_equal(loaded["actions"].q01, stats["actions"].q01)
+
+
+def test_normalize_modes_match_openpi():
+  s = norm_stats.NormStats(mean=np.array([1.0, -2.0]), std=np.array([2.0, 0.5]),
+                           q01=np.array([-1.0, 0.0]), q99=np.array([3.0, 1.0]))
+  x = np.array([[3.0, -1.0, 7.0]])  # one dim more than the statistics (padded actions)
+  z = norm_stats.normalize(x, s, "zscore")
+  np.testing.assert_allclose(z, [[2.0 / (2 + 1e-6), 1.0 / (0.5 + 1e-6), 7.0]])
+  q = norm_stats.normalize(x, s, "quantile")
+  np.testing.assert_allclose(q, [[4.0 / (4 + 1e-6) * 2 - 1, -1.0 / (1 + 1e-6) * 2 - 1, 7.0]])
+  for mode, y in (("zscore", z), ("quantile", q)):
+    np.testing.assert_allclose(norm_stats.unnormalize(y, s, mode), x, rtol=1e-9)
+  with pytest.raises(ValueError, match="q01 and q99"):
+    norm_stats.normalize(x, norm_stats.NormStats(mean=s.mean, std=s.std), "quantile")
+
+
+def test_norm_stats_reads_openpi_files_without_quantiles(tmp_path):
+  (tmp_path / "norm_stats.json").write_text(json.dumps(
+      {"norm_stats": {"state": {"mean": [0.5], "std": [2.0], "q01": None, "q99": None}}}))
+  stats = norm_stats.load(str(tmp_path))
+  assert stats["state"].q01 is None and stats["state"].std.tolist() == [2.0]
+  (tmp_path / "bad.json").write_text(json.dumps({"norm_stats": {"actions": {"mean": [0.0]}}}))
+  with pytest.raises(ValueError, match="norm_stats.actions has no 'std'"):
+    norm_stats.load(str(tmp_path / "bad.json"))
 
 
 # ---------------------------------------------------------------- bad datasets --

@@ -1,0 +1,184 @@
+"""Normalisation statistics of state and actions, in openpi's ``norm_stats.json`` form.
+
+The file (openpi: ``assets/<asset_id>/norm_stats.json``)::
+
+  {"norm_stats": {"state":   {"mean": [...], "std": [...], "q01": [...], "q99": [...]},
+                  "actions": {"mean": [...], "std": [...], "q01": [...], "q99": [...]}}}
+
+:func:`compute` takes one pass over a dataset's steps (its episode table: every
+step's state and action once). ``std`` is the population standard deviation
+(openpi's); ``q01`` / ``q99`` are NumPy's exact (linearly interpolated)
+quantiles, where openpi's ``RunningStats`` reads them off 5000-bin histograms
+(within a bin width, ``(max - min) / 5000``, of these). openpi counts each action
+once per chunk that contains it; here every step counts once.
+
+:func:`normalize` / :func:`unnormalize` are openpi's two modes: ``'zscore'``
+``(x - mean) / (std + 1e-6)`` and ``'quantile'`` ``(x - q01) / (q99 - q01 + 1e-6) * 2 - 1``
+(pi0.5's default). Arrays wider than the statistics (openpi pads to 32 dims)
+keep their extra dims unchanged.
+
+``python -m jaxvla.data.norm_stats --config=CONFIG --out=DIR`` writes the file
+for the dataset a config's ``data`` block names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+from jaxvla.data.episodes import ONE_LINE_ERRORS, EpisodeTable
+
+FILE_NAME = "norm_stats.json"
+MODES = ("zscore", "quantile")
+_EPS = 1e-6  # openpi's
+
+
+@dataclasses.dataclass(frozen=True)
+class NormStats:
+  """Per-dimension statistics ``[D]`` (``q01`` / ``q99`` may be absent in openpi files)."""
+  mean: np.ndarray
+  std: np.ndarray
+  q01: np.ndarray | None = None
+  q99: np.ndarray | None = None
+
+
+def compute_array(values: np.ndarray) -> NormStats:
+  """Statistics of ``values`` ``[N, D]`` over its N rows.
+
+  Raises:
+    ValueError: fewer than 2 rows, or non-finite values (naming the dims).
+  """
+  values = np.asarray(values, np.float64)
+  if values.ndim != 2 or values.shape[0] < 2:
+    raise ValueError(f"statistics need [N >= 2, D] values, got shape {values.shape}")
+  bad = np.flatnonzero(~np.isfinite(values).all(0))
+  if bad.size:
+    raise ValueError(f"values of dims {bad.tolist()} are not all finite")
+  q01, q99 = np.quantile(values, [0.01, 0.99], axis=0)
+  return NormStats(mean=values.mean(0), std=values.std(0), q01=q01, q99=q99)
+
+
+def compute(table: EpisodeTable) -> dict[str, NormStats]:
+  """``{"state": ..., "actions": ...}`` over every step of a dataset's episode table."""
+  return {"state": compute_array(table.state), "actions": compute_array(table.actions)}
+
+
+def _as_lists(stats: NormStats) -> dict[str, list[float] | None]:
+  return {f.name: None if getattr(stats, f.name) is None
+          else [float(v) for v in getattr(stats, f.name)] for f in dataclasses.fields(stats)}
+
+
+def _path(path: str) -> str:
+  """``path`` itself if it names a ``.json`` file, else ``path/norm_stats.json`` (openpi's)."""
+  return path if path.endswith(".json") else os.path.join(path, FILE_NAME)
+
+
+def save(path: str, stats: dict[str, NormStats]) -> str:
+  """Writes ``stats`` to ``path`` (a directory, as openpi's ``save``, or a ``.json`` file).
+
+  Returns:
+    the file written.
+  """
+  file = _path(path)
+  os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
+  body = {"norm_stats": {name: _as_lists(s) for name, s in stats.items()}}
+  with open(file, "w") as f:
+    json.dump(body, f, indent=2)
+  return file
+
+
+def load(path: str) -> dict[str, NormStats]:
+  """Reads an openpi ``norm_stats.json`` (a directory holding it, or the file).
+
+  Raises:
+    FileNotFoundError: naming the file.
+    ValueError: naming the file and the entry that is malformed.
+  """
+  file = _path(path)
+  with open(file) as f:
+    try:
+      body = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{file}: not JSON ({e})") from e
+  if not isinstance(body, dict) or not isinstance(body.get("norm_stats"), dict):
+    raise ValueError(f"{file}: no 'norm_stats' object at the top level")
+  out = {}
+  for name, entry in body["norm_stats"].items():
+    arrays = {}
+    for field in ("mean", "std", "q01", "q99"):
+      value = entry.get(field) if isinstance(entry, dict) else None
+      if value is None and field in ("mean", "std"):
+        raise ValueError(f"{file}: norm_stats.{name} has no '{field}'")
+      arrays[field] = None if value is None else np.asarray(value, np.float64)
+      if value is not None and arrays[field].shape != arrays["mean"].shape:
+        raise ValueError(f"{file}: norm_stats.{name}.{field} has shape "
+                         f"{arrays[field].shape}, mean {arrays['mean'].shape}")
+    out[name] = NormStats(**arrays)
+  return out
+
+
+def _check_mode(mode: str, stats: NormStats) -> None:
+  if mode not in MODES:
+    raise ValueError(f"normalisation mode {mode!r} is not one of {MODES}")
+  if mode == "quantile" and (stats.q01 is None or stats.q99 is None):
+    raise ValueError("quantile normalisation needs q01 and q99 statistics")
+
+
+def normalize(x: np.ndarray, stats: NormStats, mode: str = "zscore") -> np.ndarray:
+  """``x`` ``[..., D']`` normalised with the first ``min(D', D)`` dims of ``stats`` (openpi's)."""
+  _check_mode(mode, stats)
+  x = np.asarray(x)
+  d = min(x.shape[-1], stats.mean.shape[-1])
+  head = x[..., :d]
+  if mode == "zscore":
+    head = (head - stats.mean[:d]) / (stats.std[:d] + _EPS)
+  else:
+    head = (head - stats.q01[:d]) / (stats.q99[:d] - stats.q01[:d] + _EPS) * 2.0 - 1.0
+  return np.concatenate([head, x[..., d:]], axis=-1).astype(x.dtype, copy=False)
+
+
+def unnormalize(x: np.ndarray, stats: NormStats, mode: str = "zscore") -> np.ndarray:
+  """The inverse of :func:`normalize` (dims past the statistics pass through, as in openpi)."""
+  _check_mode(mode, stats)
+  x = np.asarray(x)
+  d = min(x.shape[-1], stats.mean.shape[-1])
+  head = x[..., :d]
+  if mode == "zscore":
+    head = head * (stats.std[:d] + _EPS) + stats.mean[:d]
+  else:
+    head = (head + 1.0) / 2.0 * (stats.q99[:d] - stats.q01[:d] + _EPS) + stats.q01[:d]
+  return np.concatenate([head, x[..., d:]], axis=-1).astype(x.dtype, copy=False)
+
+
+def main(argv: list[str]) -> None:
+  """``--config=FILE[:VARIANT] [--config.data.path=DIR ...] --out=DIR``: writes DIR/norm_stats.json."""
+  from absl import app, flags  # pylint: disable=import-outside-toplevel
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+
+  from jaxvla.data import pipeline  # pylint: disable=import-outside-toplevel
+
+  config_flag = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
+                                                lock_config=True)
+  out_flag = flags.DEFINE_string("out", None, "Directory (or .json file) to write.")
+  flags.mark_flags_as_required(["config", "out"])
+
+  def run(_):
+    absl_logging.set_verbosity(absl_logging.WARNING)  # TFDS's INFO lines
+    try:
+      reader = pipeline.open_reader(config_flag.value.data)
+    except ONE_LINE_ERRORS as e:
+      sys.exit(f"error: {e}")
+    file = save(out_flag.value, compute(reader.table))
+    print(json.dumps({"norm_stats": file, "steps": reader.table.num_steps,
+                      "episodes": reader.table.num_episodes}))
+
+  app.run(run, argv)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
