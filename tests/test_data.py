@@ -1,5 +1,5 @@
 """On-disk demonstrations: RLDS (TFDS ArrayRecord) and LeRobot v2.1 / v3 readers, the grain
-pipeline and normalisation statistics.
+pipeline, normalisation statistics and the collector.
 
 The datasets are written here in the real layouts, tiny (3 episodes of at most 12
 steps, 16x16 images): RLDS through TFDS's own writer with OpenVLA's LIBERO
@@ -9,6 +9,8 @@ every 2 frames, as LeRobot encodes).
 
 import json
 import os
+import subprocess
+import sys
 
 import av
 import jax
@@ -25,6 +27,7 @@ from jaxvla.data import config as data_config
 from jaxvla.data import norm_stats, pipeline, rlds
 from jaxvla.data.episodes import DataError
 from jaxvla.models import policy as policy_lib
+from tests.conftest import ROOT
 
 LENGTHS = (12, 7, 9)  # steps of the 3 episodes
 STATE, ACTION, SIZE, FPS = 8, 7, 16, 10
@@ -503,6 +506,35 @@ def test_unreadable_files_are_named(tmp_path):
   reader = pipeline.open_reader(lerobot_config(root))
   with pytest.raises(DataError, match="episode_000002.mp4: unreadable video"):
     reader.images(2, 0)
+
+
+# ------------------------------------------------------------------ collector --
+def test_collect_cli_writes_a_dataset_the_reader_reads(tmp_path):
+  out = str(tmp_path / "demos")
+  r = subprocess.run([sys.executable, "-m", "jaxvla.data.collect",
+                      "--config=configs/default.py", f"--out={out}", "--episodes=3",
+                      "--config.env.image_size=16"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 0, r.stderr[-2000:]
+  summary = json.loads(r.stdout.strip().splitlines()[-1])
+  assert summary["episodes"] == 3
+  d = default.get_config().data
+  d.path = out
+  reader = pipeline.open_reader(d)
+  assert reader.table.num_episodes == 3 and reader.table.num_steps == summary["steps"]
+  assert all(t.startswith("move to the ") for t in reader.table.tasks)
+  assert reader.images(0, 0)[0].shape == (16, 16, 3)
+  # TFDS itself reads it too, RLDS step fields included.
+  builder = tfds.builder_from_directory(out)
+  steps = builder.as_data_source(split="train")[0]["steps"]
+  assert steps[0]["is_first"] and steps[len(steps) - 1]["is_last"]
+  assert "episode_metadata" in builder.info.features
+  # A second run does not overwrite it.
+  r = subprocess.run([sys.executable, "-m", "jaxvla.data.collect",
+                      "--config=configs/default.py", f"--out={out}", "--episodes=1"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode != 0 and "already holds a TFDS dataset" in r.stderr
 
 
 # --------------------------------------------------------------------- config --
