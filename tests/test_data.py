@@ -7,6 +7,7 @@ feature names, LeRobot with pyarrow parquet files and PyAV mp4s (AV1, a keyframe
 every 2 frames, as LeRobot encodes).
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -555,3 +556,36 @@ def test_bad_data_config_names_the_key(key, value, match):
   c.data[key] = value
   with pytest.raises(ValueError, match=match):
     config_checks.validate(c)
+
+
+# ---------------------------------------------------------- TFRecord datasets --
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                    reason="TensorFlow is not installed (optional: pip install tensorflow-cpu); "
+                    "only the TFRecord -> ArrayRecord conversion needs it")
+def test_tfrecord_dataset_converts_to_array_record(tmp_path):
+  class LiberoTiny(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Built as OpenVLA built its RLDS sets: a TFDS builder writing TFRecord shards."""
+    VERSION = tfds.core.Version("1.0.0")
+    pkg_dir_path = tfds.core.Path(tmp_path)  # (TFDS looks for metadata of a builder here)
+
+    def _info(self):
+      return self.dataset_info_from_configs(features=_openvla_features(),
+                                            disable_shuffling=True)
+
+    def _split_generators(self, dl_manager):
+      return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+      for e, example in enumerate(_openvla_examples(EPISODES)):
+        yield f"episode_{e}", example
+
+  builder = LiberoTiny(data_dir=str(tmp_path / "tfrecord"))
+  builder.download_and_prepare()
+  assert builder.info.file_format.value == "tfrecord"
+  out = tmp_path / "array_record" / "1.0.0"
+  r = subprocess.run([sys.executable, "-m", "jaxvla.data.convert", f"--src={builder.data_dir}",
+                      f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  table = pipeline.open_reader(openvla_config(str(out))).table
+  np.testing.assert_array_equal(table.actions, _all("actions"))
+  np.testing.assert_array_equal(table.lengths, LENGTHS)
