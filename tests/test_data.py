@@ -509,6 +509,30 @@ def test_unreadable_files_are_named(tmp_path):
     reader.images(2, 0)
 
 
+def test_tfrecord_datasets_are_refused_with_the_conversion_command(tmp_path):
+  d = openvla_config(write_openvla_rlds(str(tmp_path / "rlds"), EPISODES[:1]))
+  info_file = os.path.join(d.path, "1.0.0", "dataset_info.json")
+  info = json.load(open(info_file))
+  del info["fileFormat"]  # what a TFRecord dataset's dataset_info.json says (the default)
+  json.dump(info, open(info_file, "w"))
+  _expect("stored as tfrecord, not array_record; convert it once with "
+          "`python -m jaxvla.data.convert`", d)
+
+
+def test_a_failed_write_leaves_no_dataset(tmp_path):
+  def examples():
+    yield from _openvla_examples(EPISODES[:1])
+    raise RuntimeError("simulator crashed")
+
+  out = str(tmp_path / "demos")
+  with pytest.raises(RuntimeError, match="simulator crashed"):
+    rlds.write_dataset(out, _openvla_features(), examples(), name="demos")
+  assert not os.path.exists(out) and os.path.isdir(out + ".incomplete")
+  rlds.write_dataset(out, _openvla_features(), _openvla_examples(EPISODES), name="demos")
+  assert pipeline.open_reader(openvla_config(out)).table.num_episodes == len(EPISODES)
+  assert not os.path.exists(out + ".incomplete")
+
+
 # ------------------------------------------------------------------ collector --
 def test_collect_cli_writes_a_dataset_the_reader_reads(tmp_path):
   out = str(tmp_path / "demos")

@@ -5,7 +5,7 @@ directory once, reads every episode's small per-step values (state, action,
 instruction) into an :class:`EpisodeTable` in memory, and decodes camera images on
 demand (:meth:`EpisodeReader.images`), one step at a time. Images stay on disk
 because they are most of a dataset's bytes; the table costs ``4 * (S + A) + 4``
-bytes per step (LIBERO's 270k steps: 16 MB).
+bytes per step (about 17 MB for LIBERO's 270k steps).
 
 This module is the leaf of the package: the readers, the grain pipeline and the
 normalisation statistics import it, it imports none of them. It also owns the

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import shutil
 from collections.abc import Iterable
 from typing import Any
 
@@ -116,10 +117,10 @@ class RldsReader:
     if split not in info.splits:
       raise DataError(f"{directory}: no split '{split}' (config.data.split); splits: "
                       f"{sorted(info.splits.keys())}")
-    if info.file_format is None or info.file_format.value != "array_record":
-      raise DataError(f"{directory}: stored as {info.file_format and info.file_format.value}, "
-                      "not array_record; convert it once with `tfds convert_format` "
-                      "(docs/data.md)")
+    stored = info.file_format.value if info.file_format else "tfrecord"  # TFDS's default
+    if stored != "array_record":
+      raise DataError(f"{directory}: stored as {stored}, not array_record; convert it once "
+                      "with `python -m jaxvla.data.convert` (docs/data.md)")
     self._dir = directory
     self._steps = _flat_features(info.features["steps"].feature)
     self.image_shapes = tuple(self._camera_shape(k) for k in features.cameras)
@@ -249,22 +250,28 @@ def write_dataset(directory: str, features, examples: Iterable[dict], *, name: s
   """Writes ``examples`` (one nested dict per episode) as a TFDS ArrayRecord dataset.
 
   ``directory`` becomes the TFDS version directory (``dataset_info.json``,
-  ``features.json``, ``<name>-<split>.array_record-0000N``); it must not hold a
-  dataset already. Images in ``examples`` must be ``PIL.Image`` objects (TFDS
-  encodes those without TensorFlow). Episodes are written as they come.
+  ``features.json``, ``<name>-<split>.array_record-0000N``). Images in
+  ``examples`` must be ``PIL.Image`` objects (TFDS encodes those without
+  TensorFlow). Episodes are written as they come, into ``<directory>.incomplete``,
+  which becomes ``directory`` once the last one is written: a run that fails
+  leaves no dataset that looks whole.
 
   Returns:
     the number of episodes written.
 
   Raises:
-    FileExistsError: ``directory`` already holds a dataset.
+    FileExistsError: ``directory`` holds a dataset or other files.
   """
   tfds = _import_tfds()
   if os.path.exists(os.path.join(directory, _INFO_FILE)):
     raise FileExistsError(f"{directory} already holds a TFDS dataset; choose another --out")
-  os.makedirs(directory, exist_ok=True)
+  if os.path.isdir(directory) and os.listdir(directory):
+    raise FileExistsError(f"{directory} is not empty; choose another --out")
+  partial = os.path.normpath(directory) + ".incomplete"
+  shutil.rmtree(partial, ignore_errors=True)  # what an earlier failed run left
+  os.makedirs(partial)
   identity = tfds.core.DatasetIdentity(name=name, version=tfds.core.Version("1.0.0"),
-                                       data_dir=directory, module_name="jaxvla.data.rlds")
+                                       data_dir=partial, module_name="jaxvla.data.rlds")
   info = tfds.core.DatasetInfo(builder=identity, features=features, description=description)
   writer = tfds.core.SequentialWriter(info, max_examples_per_shard=max_examples_per_shard,
                                       file_format="array_record")
@@ -274,4 +281,5 @@ def write_dataset(directory: str, features, examples: Iterable[dict], *, name: s
     writer.add_examples({split: [example]})
     count += 1
   writer.close_all()
+  os.replace(partial, directory)  # (an empty directory there is replaced)
   return count
