@@ -44,6 +44,7 @@ from jaxvla.envs import make_env, make_vec_env
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract, openpi_import, policy as policy_lib
 from jaxvla.rollout import evaluate as evaluate_lib
+from jaxvla.runtime import ledger as ledger_lib
 from jaxvla.runtime import pipeline as pipeline_lib
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,20 @@ class RunState:
   warm_start_success_rate: float | None = None
   warm_start_eval: dict | None = None
   bc_wall_s: float = 0.0
-  # Rollout data produced but not yet trained on when the checkpoint was written
-  # (queued or being collected); a resume from it discards (re-collects) them.
-  in_flight_segments: int = 0
-  in_flight_chunks: int = 0
+  # Rollout data by fate (:class:`jaxvla.runtime.ledger.Ledger`) as of this checkpoint's
+  # update; what was in flight then is discarded (re-collected) by a resume from it.
+  ledger: dict = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def from_meta(cls, meta: dict) -> "RunState":
+    """From a checkpoint's ``meta``; the in-flight counts of checkpoints written before
+    the ledger are dropped (with a log line: their discards go uncounted)."""
+    meta = dict(meta)
+    legacy = {k: meta.pop(k) for k in ("in_flight_segments", "in_flight_chunks") if k in meta}
+    if legacy:
+      log.info("the checkpoint predates the env-step ledger (%s); its in-flight data is "
+               "discarded uncounted", legacy)
+    return cls(**meta)
 
 
 @dataclasses.dataclass
@@ -197,16 +208,17 @@ def _initial_state(config, s: Setup, rng, written: dict | None = None
     abstract = sharding_lib.with_shardings(abstract, s.learner.state_shardings(abstract))
     step, state, meta = s.checkpointer.restore_latest(abstract, _changed_model_keys(config,
                                                                                     written))
-    run = RunState(**meta)
+    run = RunState.from_meta(meta)
     moved = s.writer.resume_from(run.env_steps)
     if moved:
       log.info("moved %d metric records written after checkpoint %d (env_steps=%d) to "
                "metrics.discarded.jsonl: those steps are trained again", moved, step,
                run.env_steps)
+    was = ledger_lib.Ledger.from_meta(run.ledger)
     log.info("resumed from checkpoint %d (policy version %d, env_steps=%d); discarded %d "
-             "in-flight env segments (%d chunks) that were queued or being collected when it "
-             "was written", step, int(state.step), run.env_steps, run.in_flight_segments,
-             run.in_flight_chunks)
+             "in-flight env steps (%d chunks) that were queued or being collected when it "
+             "was written", step, int(state.step), run.env_steps, was.in_flight("env_steps"),
+             was.in_flight("chunks"))
     return state, run
   if step is not None:
     raise FileExistsError(
@@ -235,10 +247,8 @@ def _save(s: Setup, run: RunState, state, pipe: pipeline_lib.Pipeline) -> None:
   if not bool(learner_lib.all_finite(state.params)):
     raise FloatingPointError(f"iteration {run.iteration}: the params are not finite; "
                              "checkpoint not written (the earlier ones are intact)")
-  flight = pipe.in_flight()
-  # Every process's in-flight data (a collective: every process saves at the same update).
-  run.in_flight_segments, run.in_flight_chunks = (int(v) for v in distributed.sum_over_hosts(
-      np.asarray([flight["in_flight_segments"], flight["in_flight_chunks"]], np.int64)))
+  # As of the update this state is from (every process's counts, summed then).
+  run.ledger = dataclasses.asdict(pipe.ledger)
   if s.checkpointer.latest_step() != run.iteration:
     s.checkpointer.save(run.iteration, state, dataclasses.asdict(run))
 
@@ -335,12 +345,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
     write_config()
   if jax.process_count() > 1:  # Each process samples its own actions.
     rollout_key = jax.random.fold_in(rollout_key, jax.process_index())
+  checkpointed = ledger_lib.Ledger.from_meta(run.ledger)
+  ledger = checkpointed.resumed()  # (a fresh run's is empty: nothing to discard)
   pipe = pipeline_lib.Pipeline(config, s.policy, s.learner, env, s.act_train, s.value_fn,
                                s.rollout_sharding, jax.random.fold_in(rollout_key, run.iteration),
                                seed=_host_seed(config.seed + run.iteration),
-                               version=int(state.step))
+                               version=int(state.step), ledger=ledger)
   resumed_at = run.env_steps
-  discarded = dict(segments=run.in_flight_segments, chunks=run.in_flight_chunks)
+  discarded = {unit: checkpointed.in_flight(unit) for unit in ledger_lib.UNITS}
   progress = metrics_lib.Progress(config.total_env_steps, run.env_steps,
                                   config.log.progress and distributed.is_primary())
   last_eval = run.warm_start_eval
@@ -388,6 +400,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
           _save(s, run, state, pipe)
           log.warning("interrupted: saved checkpoint %d (policy version %d); rerun with "
                       "--config.resume=True to continue", run.iteration, int(state.step))
+  ledger_report = pipe.settle()  # (a collective: every process gets here)
   pipeline_metrics = pipe.metrics()
   s.writer.write(run.env_steps, "pipeline", pipeline_metrics)
   if config.pipeline.timeline and distributed.is_primary():
@@ -412,7 +425,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
       pipeline=pipe.mode_name, **pipe.totals(), num_processes=jax.process_count(),
       staleness_mean=pipeline_metrics.get("staleness_mean", 0.0),
       nonfinite_updates=guard.total,
-      discarded_on_resume=discarded if resumed_at else None,
+      discarded_on_resume=discarded if config.resume else None,
+      # Where every env step the run produced went (its whole history, every process).
+      ledger=ledger_report, env_steps_unaccounted=ledger_report["env_steps"]["unaccounted"],
       interrupted=pipe.interrupted)
   s.writer.write(run.env_steps, "summary", {k: v for k, v in summary.items()
                                             if isinstance(v, (int, float)) and k != "env_steps"})

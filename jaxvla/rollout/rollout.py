@@ -68,8 +68,9 @@ class Builder(Protocol):
   def pop_items(self) -> list[types.Item]:
     """The queue items completed so far (each returned once)."""
 
-  def in_flight(self) -> tuple[int, int]:
-    """``(segments or episodes, chunks)`` started but not yet returned as items."""
+  def in_flight(self) -> tuple[int, int, int]:
+    """``(segments or episodes, chunks, env steps)`` started but not yet returned as
+    items; chunks and env steps count only chunks whose result arrived."""
 
 
 def bucket_size(n: int, limit: int) -> int:
@@ -138,7 +139,9 @@ class Rollout:
     self.pacer, self.first_ready = pacer, first_ready
     self.episodes = evaluate_lib.EpisodeTracker()
     self.num_acts = 0
-    self.env_steps = 0
+    # (env steps, chunks) whose results arrived: produced, in the ledger's terms. One
+    # tuple, replaced at once, so another thread reads a consistent pair.
+    self.produced: tuple[int, int] = (0, 0)
     self._obs: protocol.Observation | None = None  # Lockstep: the next observation.
     self._started_ready = False
     self._in_flight = 0  # First-ready: envs with a chunk sent and not yet received.
@@ -157,8 +160,14 @@ class Rollout:
     """The queue items the builder completed since the last call."""
     return self.builder.pop_items()
 
-  def in_flight(self) -> tuple[int, int]:
-    """``(segments or episodes, chunks)`` acted on but not yet returned as items."""
+  @property
+  def env_steps(self) -> int:
+    """Env steps whose results arrived (this process's rollout, since it started)."""
+    return self.produced[0]
+
+  def in_flight(self) -> tuple[int, int, int]:
+    """``(segments or episodes, chunks, env steps)`` produced but not yet returned as
+    items (chunks acted on but not yet back are not counted)."""
     return self.builder.in_flight()
 
   # ------------------------------------------------------------- inference --
@@ -203,7 +212,7 @@ class Rollout:
   def _finish(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> None:
     """Hands ``result`` to the builder; values the observations that close a segment."""
     self.episodes.add(result.episodes)
-    self.env_steps += int(result.steps.sum())
+    self.produced = (self.produced[0] + int(result.steps.sum()), self.produced[1] + len(env_ids))
     full = self.builder.on_result(env_ids, result)
     if full.size:
       params, _ = self.params_fn()

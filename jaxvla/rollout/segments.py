@@ -92,8 +92,11 @@ class SegmentBuilder:
                               num_chunks=traj.num_rows, num_env_steps=traj.num_env_steps))
     return items
 
-  def in_flight(self) -> tuple[int, int]:
-    """``(segments, chunks)`` started but not emitted (lost if the run stops now)."""
-    open_chunks = sum(len(c) for c in self._open)
+  def in_flight(self) -> tuple[int, int, int]:
+    """``(segments, chunks, env steps)`` started but not emitted (lost if the run
+    stops now); chunks and env steps of chunks whose result arrived."""
+    back = [c for chunks in self._open for c in chunks if "steps" in c]
     return (sum(1 for c in self._open if c) + len(self._done_segments),
-            open_chunks + len(self._done_segments) * self.segment_len)
+            len(back) + len(self._done_segments) * self.segment_len,
+            sum(int(c["steps"]) for c in back)
+            + sum(seg.num_env_steps for seg in self._done_segments))

@@ -44,6 +44,11 @@ intervals and the rollout's waits (counters); :meth:`Pipeline.metrics` is the
 one place that reads it together with the queue, the broadcast, the env pool's
 workers and the rollout's recent episodes.
 
+Accounting: every env step the rollout produces is trained on, dropped (too
+stale), discarded by a resume or still in flight; :class:`jaxvla.runtime.ledger.Ledger`
+keeps the totals (summed over processes at each update), and
+:meth:`Pipeline.settle` checks them at the end against what is really in flight.
+
 Errors: an exception in the rollout or broadcaster thread stops the run and is
 re-raised in the caller with its traceback; KeyboardInterrupt stops the threads
 and propagates (``train.py`` saves a checkpoint). Nothing is left running.
@@ -79,6 +84,7 @@ from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.rollout import rollout as rollout_lib
 from jaxvla.rollout import segments as segments_lib
 from jaxvla.runtime import broadcast as broadcast_lib
+from jaxvla.runtime import ledger as ledger_lib
 from jaxvla.runtime import queue as queue_lib
 
 log = logging.getLogger(__name__)
@@ -145,11 +151,30 @@ class UpdateInfo:
   dropped_env_steps: int  # ... and of the data dropped as too stale since the last update.
 
 
+def _hand_on(rollout: rollout_lib.Rollout, queue: queue_lib.TrajectoryQueue,
+             refused: list[types.Item]) -> None:
+  """Moves the rollout's finished items into the queue (blocking while it is full).
+
+  Items a closed queue refuses go to ``refused``: still in flight, for the ledger.
+
+  Raises:
+    Closed: the queue was closed.
+  """
+  items = rollout.pop_items()
+  for k, item in enumerate(items):
+    try:
+      queue.put(item)
+    except types.Closed:
+      refused.extend(items[k:])
+      raise
+
+
 class _InlineFeed:
   """L1 off: the learner's thread steps the rollout until an item is ready, then trains."""
 
   def __init__(self, rollout: rollout_lib.Rollout, queue: queue_lib.TrajectoryQueue):
     self.rollout, self.queue = rollout, queue
+    self.refused: list[types.Item] = []  # Items a closed queue did not take.
 
   def start(self) -> None:
     pass
@@ -162,8 +187,7 @@ class _InlineFeed:
       except TimeoutError:
         pass
       self.rollout.step()
-      for item in self.rollout.pop_items():
-        self.queue.put(item)
+      _hand_on(self.rollout, self.queue, self.refused)
 
   def stop(self) -> None:
     pass
@@ -174,6 +198,7 @@ class _ThreadFeed:
 
   def __init__(self, rollout: rollout_lib.Rollout, queue: queue_lib.TrajectoryQueue):
     self.rollout, self.queue = rollout, queue
+    self.refused: list[types.Item] = []  # Items a closed queue did not take.
     self.error: BaseException | None = None
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
@@ -186,8 +211,7 @@ class _ThreadFeed:
     try:
       while not self._stop.is_set():
         self.rollout.step()
-        for item in self.rollout.pop_items():
-          self.queue.put(item)
+        _hand_on(self.rollout, self.queue, self.refused)
     except types.Closed:
       pass
     except BaseException as e:  # Re-raised by the learner (with this traceback).
@@ -219,12 +243,15 @@ class Pipeline:
     rollout_shardings: where the rollout's params live (a sharding for every
       leaf, or a tree); used unless the mode is ``sync_colocated``.
     rng: the sampler's key; seed: the env reset seed.
+    version: the policy version it starts at (a resumed run's; pacing counts from it).
+    ledger: the run's history so far (a resumed run's, with the checkpoint's in-flight
+      data already discarded: :meth:`Ledger.resumed`).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, policy: contract.Policy,
                learner: learner_lib.Learner, env: protocol.VecEnv, act_fn: Callable,
                value_fn: Callable, rollout_shardings: Any, rng: jax.Array, seed: int,
-               version: int = 0):
+               version: int = 0, ledger: ledger_lib.Ledger | None = None):
     p = config.pipeline
     self.config, self.learner, self.env = config, learner, env
     self.levels = Levels.from_config(p)
@@ -260,9 +287,12 @@ class Pipeline:
     self.interrupted = False
     self.multi_process = distributed.multi_process()
     self._stop_requested = False  # Multi-process: a Ctrl-C here, agreed at the next update.
-    # Summed over every process at each update (this process's own counts when alone).
-    self.hosts_rollout_env_steps = 0
-    self.hosts_dropped_env_steps = 0
+    # The run's history, summed over every process at each update (and by settle()).
+    self.ledger = dataclasses.replace(ledger) if ledger is not None else ledger_lib.Ledger()
+    self._ledger_start = dataclasses.replace(self.ledger)
+    # This process's counts already entered in the ledger: (produced, dropped) pairs.
+    self._seen = dict(produced=(0, 0), dropped=(0, 0))
+    self._taken: list[types.Item] = []  # Items of the update in progress (not yet trained).
     # Per update, in time order: clock seconds and the pool's worker-busy seconds then.
     self._mark_times, self._mark_busy = [0.0], [0.0]
     self._window_start = 0.0  # Clock time of the last window_metrics() call.
@@ -303,6 +333,7 @@ class Pipeline:
       raise _Interrupted()
     try:
       item, _ = self.feed.get(version)
+      self._taken.append(item)
     except types.Closed:
       self._raise_thread_error()
       if self.interrupted:
@@ -319,8 +350,8 @@ class Pipeline:
       raise RuntimeError("the weight broadcast failed") from self.server.error
 
   # ----------------------------------------------------------------- learner --
-  def _update(self, state: learner_lib.TrainState) -> tuple[learner_lib.TrainState, dict, int]:
-    """Consumes one update's items and trains; returns ``(state, metrics, env_steps)``."""
+  def _update(self, state: learner_lib.TrainState) -> tuple[learner_lib.TrainState, dict]:
+    """Consumes one update's items (``self._taken``) and trains; returns ``(state, metrics)``."""
     if self.levels.streamer:
       return self._streamed_update(state)
     version = int(state.step)
@@ -328,18 +359,17 @@ class Pipeline:
     with self.clock.busy("learner"):
       state, metrics = self.learner.update(state, types.concat([it.data for it in items]))
       metrics = jax.device_get(metrics)
-    return state, metrics, sum(it.num_env_steps for it in items)
+    return state, metrics
 
   def _streamed_update(self, state: learner_lib.TrainState
-                       ) -> tuple[learner_lib.TrainState, dict, int]:
+                       ) -> tuple[learner_lib.TrainState, dict]:
     """L3: each item's gradient as it arrives; one optimizer step per minibatch of items."""
     version = int(state.step)
     num_minibatches = self.config.ppo.num_minibatches
     per_minibatch = self.items_per_update // num_minibatches
-    acc, sums, env_steps = None, collections.defaultdict(float), 0
+    acc, sums = None, collections.defaultdict(float)
     for j in range(self.items_per_update):
       item = self._take(version)
-      env_steps += item.num_env_steps
       with self.clock.busy("learner"):
         # Items are alike, so the minibatch's rows are known from its first.
         grads = self.learner.micro_grads(state.params, item.data,
@@ -354,7 +384,7 @@ class Pipeline:
               sums[k] = float(int(sums[k]) | int(v))
             else:
               sums[k] += float(v) / num_minibatches
-    return state, dict(sums), env_steps
+    return state, dict(sums)
 
   def run(self, state: learner_lib.TrainState, start_env_steps: int, total_env_steps: int,
           on_update: Callable[[UpdateInfo], None]) -> learner_lib.TrainState:
@@ -367,27 +397,20 @@ class Pipeline:
     self._publish(state, wait=True)
     self.feed.start()
     env_steps = start_env_steps
-    dropped_seen = rollout_seen = 0
     try:
       while env_steps < total_env_steps:
         try:
-          state, metrics, steps = self._update(state)
+          state, metrics = self._update(state)
         except _Interrupted:
           return state  # The state before the interrupted update (nothing donated yet).
         self._publish(state, wait=not self.levels.train_async)
-        dropped = self.queue.stats.dropped_env_steps - dropped_seen
-        dropped_seen += dropped
-        rollout = self.rollout.env_steps - rollout_seen
-        rollout_seen += rollout
         # Every process: the same totals, hence the same stop decision (a collective).
-        steps, dropped, rollout, stop = (int(v) for v in distributed.sum_over_hosts(
-            np.asarray([steps, dropped, rollout, self._stop_requested], np.int64)))
-        self.hosts_rollout_env_steps += rollout
-        self.hosts_dropped_env_steps += dropped
+        delta, stop = self._account(trained=self._taken)
+        self._taken = []
         self._mark_workers()
-        env_steps += steps + dropped
-        on_update(UpdateInfo(state=state, metrics=metrics, env_steps=steps,
-                             dropped_env_steps=dropped))
+        env_steps += delta.trained_env_steps + delta.dropped_env_steps
+        on_update(UpdateInfo(state=state, metrics=metrics, env_steps=delta.trained_env_steps,
+                             dropped_env_steps=delta.dropped_env_steps))
         if stop:  # Multi-process Ctrl-C, after this update on every process.
           self.interrupted = True
           return state
@@ -406,22 +429,69 @@ class Pipeline:
       self.server.close()
     self._colocated = None  # The caller holds the state.
 
+  # ------------------------------------------------------------------ ledger --
+  def _account(self, trained: list[types.Item], stop: bool | None = None
+               ) -> tuple[ledger_lib.Ledger, bool]:
+    """Enters this process's counts since the last call, summed over every process,
+    in the ledger (a collective: every process calls it at the same point).
+
+    Returns the summed deltas and whether any process asked to stop.
+    """
+    produced = self.rollout.produced  # (one consistent pair; the thread may go on)
+    stats = self.queue.stats
+    dropped = (stats.dropped_env_steps, stats.dropped_chunks)
+    local = ledger_lib.Ledger(
+        produced_env_steps=produced[0] - self._seen["produced"][0],
+        produced_chunks=produced[1] - self._seen["produced"][1],
+        trained_env_steps=sum(it.num_env_steps for it in trained),
+        trained_chunks=sum(it.num_chunks for it in trained),
+        dropped_env_steps=dropped[0] - self._seen["dropped"][0],
+        dropped_chunks=dropped[1] - self._seen["dropped"][1])
+    self._seen.update(produced=produced, dropped=dropped)
+    summed = distributed.sum_over_hosts(np.concatenate(
+        [local.to_array(), [self._stop_requested if stop is None else stop]]))
+    delta = ledger_lib.Ledger.from_array(summed[:-1])
+    self.ledger.add(delta)
+    return delta, bool(summed[-1])
+
+  def _count_in_flight(self) -> dict[str, int]:
+    """This process's data really in flight: the builder's, the queue's, items a
+    closed queue refused and items taken by an update that did not finish. Exact
+    once the threads have stopped."""
+    _, chunks, env_steps = self.rollout.in_flight()
+    held = self.queue.snapshot() + self.feed.refused + self._taken
+    return dict(env_steps=env_steps + sum(it.num_env_steps for it in held),
+                chunks=chunks + sum(it.num_chunks for it in held))
+
+  def settle(self) -> dict[str, dict[str, int]]:
+    """Closes the ledger after :meth:`stop`: enters the counts since the last update
+    and compares its in-flight figures with what is really in flight (summed over
+    processes; a collective). Returns :meth:`Ledger.report`; ``unaccounted`` is 0
+    unless data was lost or counted twice (then an error is logged).
+    """
+    self._account(trained=[], stop=False)
+    counted = self._count_in_flight()
+    summed = distributed.sum_over_hosts(np.asarray([counted["env_steps"], counted["chunks"]],
+                                                   np.int64))
+    report = self.ledger.report(dict(env_steps=int(summed[0]), chunks=int(summed[1])))
+    for unit, row in report.items():
+      if row["unaccounted"]:
+        log.error("ledger: %d %s unaccounted for (produced %d, trained %d, dropped %d, "
+                  "discarded %d, counted in flight %d)", row["unaccounted"], unit,
+                  row["produced"], row["trained"], row["dropped"], row["discarded"],
+                  row["in_flight_counted"])
+    return report
+
   # ----------------------------------------------------------------- metrics --
   def totals(self) -> dict[str, int]:
-    """Env steps every process's rollout executed and dropped as too stale
-    (multi-process: as of the last update)."""
+    """Env steps every process's rollout produced and dropped as too stale since
+    this pipeline started (multi-process: as of the last update)."""
     if self.multi_process:
-      return dict(rollout_env_steps=self.hosts_rollout_env_steps,
-                  dropped_env_steps=self.hosts_dropped_env_steps)
+      since = self.ledger.minus(self._ledger_start)
+      return dict(rollout_env_steps=since.produced_env_steps,
+                  dropped_env_steps=since.dropped_env_steps)
     return dict(rollout_env_steps=self.rollout.env_steps,
                 dropped_env_steps=self.queue.stats.dropped_env_steps)
-
-  def in_flight(self) -> dict[str, int]:
-    """Data produced but not trained on (discarded if the run stops now)."""
-    segments, chunks = self.rollout.in_flight()
-    queued = self.queue.snapshot()
-    return dict(in_flight_segments=segments + sum(it.data.log_prob.shape[1] for it in queued),
-                in_flight_chunks=chunks + sum(it.num_chunks for it in queued))
 
   def _mark_workers(self) -> None:
     """Notes the env pool's worker-busy seconds at this update (for windowed fractions)."""
