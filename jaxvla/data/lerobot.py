@@ -111,8 +111,8 @@ def _vectors(column: pa.ChunkedArray, key: str, where: str) -> np.ndarray:
      pa.types.is_fixed_size_list(arr.type):
     sizes = pc.unique(pc.list_value_length(arr)).to_pylist()
     if len(sizes) != 1 or arr.null_count:
-      raise DataError(f"{where}: '{key}' rows have lengths {sorted(s for s in sizes if s is not None)}"
-                      ", expected one vector size")
+      lengths = sorted(s for s in sizes if s is not None)
+      raise DataError(f"{where}: '{key}' rows have lengths {lengths}, expected one vector size")
     values = arr.flatten()
     if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
       raise DataError(f"{where}: '{key}' holds {values.type} values, expected numbers")

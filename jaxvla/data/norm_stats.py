@@ -155,7 +155,7 @@ def unnormalize(x: np.ndarray, stats: NormStats, mode: str = "zscore") -> np.nda
 
 
 def main(argv: list[str]) -> None:
-  """``--config=FILE[:VARIANT] [--config.data.path=DIR ...] --out=DIR``: writes DIR/norm_stats.json."""
+  """``--config=FILE[:VARIANT] [--config.data.*=...] --out=DIR``: writes DIR/norm_stats.json."""
   from absl import app, flags  # pylint: disable=import-outside-toplevel
   from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel

@@ -200,7 +200,11 @@ def make_dataset(reader: EpisodeReader, *, horizon: int, batch_size: int, seed: 
 def from_config(d: ml_collections.ConfigDict, *, chunk_len: int, batch_size: int, seed: int,
                 shard_index: int | None = None, shard_count: int | None = None
                 ) -> tuple[grain.IterDataset, EpisodeReader]:
-  """:func:`make_dataset` for the ``data`` sub-config (H = ``d.action_horizon`` or ``chunk_len``)."""
+  """:func:`make_dataset` for the ``data`` sub-config (H: ``d.action_horizon`` or ``chunk_len``).
+
+  Returns:
+    the pipeline and the opened reader (for :func:`dataset_spec` and statistics).
+  """
   reader = open_reader(d)
   ds = make_dataset(reader, horizon=d.action_horizon or chunk_len, batch_size=batch_size,
                     seed=seed, image_size=d.image_size, shard_index=shard_index,

@@ -146,7 +146,8 @@ class RldsReader:
   def _camera_shape(self, key: str) -> tuple[int, int, int]:
     feature = self._feature(key)
     shape = tuple(feature.shape)
-    if not isinstance(feature, _import_tfds().features.Image) or len(shape) != 3 or shape[-1] != 3 or None in shape:
+    if (not isinstance(feature, _import_tfds().features.Image) or len(shape) != 3
+        or shape[-1] != 3 or None in shape):
       raise DataError(f"{self._dir}: camera '{key}' is {feature!r}, expected an RGB "
                       "Image of fixed shape (H, W, 3)")
     return shape  # type: ignore[return-value]
