@@ -91,7 +91,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.bc.learning_rate = 1e-3  # Warm-start Adam learning rate.
 
   # Demonstrations on disk (RLDS / LeRobot; docs/data.md). Fields in jaxvla/data/config.py.
-  c.data = data_config.get_config()  # path '' keeps the scripted-expert demos above.
+  c.data = data_config.get_config()  # Demonstrations on disk ('' path: record the expert).
+  # BC samples at chunk starts, where the policy acts (every chunk_len steps). Measured
+  # with the tiny pi0, 3,000 episodes, 3,500 steps: 0.375 warm-start success against 0.03
+  # when every step starts a sample (windows from mid-chunk states, which the policy
+  # never acts from, took the small model's capacity).
+  c.data.stride = 0  # 0: the chunk length.
 
   c.ppo = ml_collections.ConfigDict()
   c.ppo.learning_rate = 1e-4  # Adam learning rate of the RL phase.

@@ -39,8 +39,10 @@ import numpy as np
 from jaxvla import checkpoint as checkpoint_lib
 from jaxvla import config_checks, distributed, metrics as metrics_lib, sharding as sharding_lib
 from jaxvla import workdir as workdir_lib
-from jaxvla.data import demos
-from jaxvla.envs import make_env, make_vec_env
+from jaxvla.data import collect as collect_lib
+from jaxvla.data import config as data_config
+from jaxvla.data import pipeline as data_pipeline
+from jaxvla.envs import make_env, make_vec_env, protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract, openpi_import, policy as policy_lib
 from jaxvla.rollout import evaluate as evaluate_lib
@@ -85,6 +87,8 @@ class Setup:
   eval_env: object  # None on every process but the primary one.
   writer: metrics_lib.MetricWriter
   checkpointer: checkpoint_lib.Checkpointer
+  workdir: str  # The run's directory (demonstrations are recorded under it).
+  spec: protocol.EnvSpec  # The env's, which the policy is built for.
   rollout_sharding: object = None
 
 
@@ -102,6 +106,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
            dict(mesh.shape), len(learner_devices), jax.process_count(), len(rollout_devices),
            jax.process_index())
   return Setup(
+      workdir=workdir, spec=spec,
       rollout_sharding=sharding_lib.rollout_sharding(rollout_devices),
       policy=policy,
       learner=learner_lib.Learner(policy, config.bc, config.ppo, mesh=mesh,
@@ -143,28 +148,74 @@ def _host_seed(seed: int) -> int:
   return seed + _HOST_SEED_STRIDE * jax.process_index()
 
 
+def demonstrations(config, workdir: str, spec: protocol.EnvSpec
+                   ) -> tuple[ml_collections.ConfigDict, dict]:
+  """The dataset the warm start reads (its ``data`` sub-config) and figures about it.
+
+  ``config.data.path`` when set. Otherwise the env's scripted expert is recorded,
+  once, into ``<workdir>/demos`` as an RLDS dataset (process 0 records, the others
+  wait), exactly as ``python -m jaxvla.data.collect`` would: one path from
+  demonstrations to BC, through the disk, for every run.
+  """
+  if config.data.path:
+    return config.data, {}
+  out = os.path.join(workdir, "demos")
+  figures = {}
+  if distributed.is_primary():
+    if os.path.isdir(out):  # (a run that stopped during its warm start recorded them)
+      log.info("warm start: reading the demonstrations already recorded in %s", out)
+    else:
+      t0 = time.perf_counter()
+      summary = collect_lib.collect(config, out, config.bc.num_episodes,
+                                    noise=config.bc.demo_noise, num_envs=config.num_envs)
+      log.info("warm start: recorded %d expert episodes (%d steps, success %.3f) in %s in "
+               "%.1f s", summary["episodes"], summary["steps"], summary["success_rate"], out,
+               time.perf_counter() - t0)
+      figures = dict(demo_success_rate=summary["success_rate"])
+  # Every process reads the dataset once process 0 has written it (a collective).
+  figures = distributed.broadcast_from_primary(
+      dict(demo_success_rate=figures.get("demo_success_rate", -1.0)))
+  d = data_config.recorded(config.data, out, spec.camera_names)
+  return d, ({} if figures["demo_success_rate"] < 0 else figures)
+
+
+def _check_dataset_fits(reader, d: ml_collections.ConfigDict, spec: protocol.EnvSpec) -> None:
+  """The dataset's cameras, state and actions must be what the policy (built for the
+  env) takes; raises ValueError naming the ``config.data`` key to change."""
+  got = data_pipeline.dataset_spec(reader, d)
+  if len(got.camera_names) != len(spec.camera_names):
+    raise ValueError(f"config.data.cameras: the dataset gives {len(got.camera_names)} cameras "
+                     f"{list(got.camera_names)}, the env's policy takes {len(spec.camera_names)} "
+                     f"{list(spec.camera_names)}")
+  if got.image_shape != spec.image_shape:
+    raise ValueError(f"config.data.image_size: the dataset's images are {got.image_shape}, the "
+                     f"env's {spec.image_shape}; set --config.data.image_size="
+                     f"{spec.image_shape[0]} to resize them")
+  for what, key in (("state_dim", "state_key"), ("action_dim", "action_key")):
+    if getattr(got, what) != getattr(spec, what):
+      raise ValueError(f"config.data.{key}: the dataset's {what} is {getattr(got, what)}, the "
+                       f"env's {getattr(spec, what)}")
+
+
 def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
-  """Behaviour cloning on scripted-expert demonstrations; returns params and figures."""
+  """Behaviour cloning on a demonstration dataset on disk (:func:`demonstrations`);
+  returns the params and figures. Multi-process: each process reads its shard of the
+  steps and feeds its share of every batch."""
   if config.bc.num_steps == 0:
     return params, {}
-  # Multi-process: each process collects its share of the demonstrations (other
-  # seeds) and feeds its share of every batch.
+  d, figures = demonstrations(config, s.workdir, s.spec)
   hosts = jax.process_count()
-  demo_env = make_env(config.env, config.num_envs, _host_seed(config.seed + 2), group_size=1)
-  data = demos.collect_expert_demos(demo_env, s.policy,
-                                    num_episodes=-(-config.bc.num_episodes // hosts),
-                                    noise=config.bc.demo_noise, speed=config.bc.expert_speed,
-                                    seed=_host_seed(config.seed + 2))
-  demo_env.close()
+  ds, reader = data_pipeline.from_config(d, chunk_len=config.model.chunk_len,
+                                         batch_size=config.bc.batch_size // hosts,
+                                         seed=config.seed + 3)
+  _check_dataset_fits(reader, d, s.spec)
+  batches = data_pipeline.bc_batches(iter(ds), s.policy.prepare)
   state = s.learner.shard_state(learner_lib.init_state(params, s.learner.bc_tx, rng))
-  n = data["actions"].shape[0]
-  sampler = np.random.default_rng(_host_seed(config.seed + 3))
   guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "BC step")
   losses, pending = [], []
   for i in range(config.bc.num_steps):
-    idx = sampler.integers(0, n, config.bc.batch_size // hosts)
-    batch = {k: v[idx] for k, v in data["batch"].items()}
-    state, metrics = s.learner.bc_step(state, batch, data["actions"][idx])
+    batch, actions, mask = next(batches)
+    state, metrics = s.learner.bc_step(state, batch, actions, mask)
     pending.append(metrics)
     # Checked a few steps late, so the host does not wait for every step.
     if len(pending) == 8 or i + 1 == config.bc.num_steps:
@@ -172,14 +223,12 @@ def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
         guard.check(float(m["nonfinite"]), step)  # (steps numbered from 1, like updates)
         losses.append(float(m["loss"]))
       pending = []
+  batches.close()
   losses = np.asarray(losses)
-  # Demonstration counts summed over processes; the success rate is process 0's.
-  chunks, episodes, steps = distributed.sum_over_hosts(
-      np.asarray([n, data["episodes"], data["env_steps"]], np.int64))
+  table = reader.table
   return state.params, dict(bc_loss_first=float(losses[0]), bc_loss_last=float(losses[-5:].mean()),
-                            demo_chunks=float(chunks), demo_episodes=float(episodes),
-                            demo_success_rate=data["success_rate"],
-                            demo_env_steps=float(steps))
+                            demo_episodes=float(table.num_episodes),
+                            demo_env_steps=float(table.num_steps), **figures)
 
 
 def _changed_model_keys(config, written: dict | None) -> str:

@@ -550,6 +550,14 @@ def test_collect_cli_writes_a_dataset_the_reader_reads(tmp_path):
   assert reader.table.num_episodes == 3 and reader.table.num_steps == summary["steps"]
   assert all(t.startswith("move to the ") for t in reader.table.tasks)
   assert reader.images(0, 0)[0].shape == (16, 16, 3)
+  # Strided samples (the default config's stride 0: the chunk length) start at chunk starts.
+  table = reader.table
+  assert d.stride == 0 and len(pipeline.StepSource(reader, 5)) == table.num_steps
+  strided = pipeline.StepSource(reader, 5, stride=5)
+  assert len(strided) == sum(-(-int(n) // 5) for n in table.lengths)
+  assert all(strided[i]["step"] % 5 == 0 for i in range(len(strided)))
+  ds, _ = pipeline.from_config(d, chunk_len=5, batch_size=2, seed=0)
+  assert set(next(iter(ds))["step"] % 5) == {0}
   # TFDS itself reads it too, RLDS step fields included.
   builder = tfds.builder_from_directory(out)
   steps = builder.as_data_source(split="train")[0]["steps"]
@@ -613,3 +621,26 @@ def test_tfrecord_dataset_converts_to_array_record(tmp_path):
   table = pipeline.open_reader(openvla_config(str(out))).table
   np.testing.assert_array_equal(table.actions, _all("actions"))
   np.testing.assert_array_equal(table.lengths, LENGTHS)
+
+
+def test_expert_labels_are_its_clean_open_loop_plan():
+  """With execution noise, a window of labels from a chunk boundary is the clean chunk
+  the expert planned there (what a chunked policy should learn), not a relabelling of
+  every step from the noisy states."""
+  from jaxvla.data import collect  # pylint: disable=import-outside-toplevel
+  from jaxvla.envs import builtin  # pylint: disable=import-outside-toplevel
+  c = default.get_config()
+  h = c.model.chunk_len
+  demo = collect.ExpertDemonstrator(builtin.make(c.env, 1, 0), noise=0.3, speed=0.4, seed=7,
+                                    horizon=h)
+  episodes = list(demo.episodes(3))
+  twin = builtin.make(c.env, 1, 0)
+  twin.reset(7)
+  plan = twin.expert_chunk(h, speed=0.4)[0]  # The first episode's first chunk.
+  first = episodes[0]
+  assert len(first.actions) >= h
+  np.testing.assert_allclose(first.actions[:h], plan, atol=1e-6)
+  np.testing.assert_allclose(first.state[0], twin.observe().state[0])
+  # The executed (noisy) path left the planned one: the later states differ from the plan's.
+  planned_pos = first.state[0] + c.env.max_speed * np.cumsum(plan, axis=0)
+  assert not np.allclose(first.state[1:h], planned_pos[:h - 1], atol=1e-3)

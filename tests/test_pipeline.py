@@ -390,6 +390,10 @@ def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
   if mode == "sync_colocated":
     assert last["staleness_max"] == 0 and summary["dropped_env_steps"] == 0
   assert (tmp_path / "run" / "timeline.json").exists()
+  # The warm start read its demonstrations from disk: the expert, recorded as RLDS.
+  assert (tmp_path / "run" / "demos" / "dataset_info.json").exists()
+  warm = [r for r in records if r["phase"] == "warm_start"][0]
+  assert warm["demo_episodes"] == c.bc.num_episodes and warm["demo_env_steps"] > 0
   evals = [r for r in records if r["phase"] == "eval"]
   assert evals and all(0.0 <= r["success_rate"] <= 1.0 for r in evals)
 

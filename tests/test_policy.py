@@ -56,6 +56,31 @@ def test_bc_loss_decreases_on_fixed_batch(smoke_config):
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
 
 
+@pytest.mark.parametrize("name", ["pi0", "action_token_vla"])
+def test_bc_loss_mask_leaves_out_padded_actions(smoke_config, name):
+  """Windows past an episode's end are padded in the data; the mask keeps them out of
+  the mean. (pi0's action expert still attends to the padded actions' noisy inputs, as
+  openpi's does: only the token model's loss is independent of the padding.)"""
+  smoke_config.model.name = name
+  env, pol, params = _setup(smoke_config, 4)
+  batch, acts = pol.prepare(env.observe()), env.expert_chunk(pol.chunk_len)
+  key = jax.random.PRNGKey(3)
+  full = np.ones(acts.shape[:2], bool)
+  assert np.isclose(float(pol.bc_loss(params, batch, acts, key)),
+                    float(pol.bc_loss(params, batch, acts, key, full)), rtol=1e-6)
+  mask = full.copy()
+  mask[:, 3:] = False
+  other = acts.copy()
+  other[:, 3:] = -other[:, 3:] + 0.5  # Different padding: the masked loss does not see it.
+  masked = float(pol.bc_loss(params, batch, acts, key, mask))
+  assert not np.isclose(masked, float(pol.bc_loss(params, batch, acts, key)))
+  if name == "action_token_vla":
+    # Causal decoding: the padded tokens come last and no real token's loss sees them.
+    assert np.isclose(masked, float(pol.bc_loss(params, batch, other, key, mask)), rtol=1e-6)
+    assert not np.isclose(float(pol.bc_loss(params, batch, acts, key)),
+                          float(pol.bc_loss(params, batch, other, key)))
+
+
 def test_tokenizer_too_long_is_an_error():
   tok = tokenizer.WordTokenizer(max_len=4)
   ids, mask = tok.encode(["move to red"])

@@ -1,1 +1,2 @@
-"""Demonstration data for supervised warm starts."""
+"""Demonstration data for supervised warm starts: datasets on disk (RLDS, LeRobot), the
+grain pipeline that feeds BC, normalisation statistics, and the collector (docs/data.md)."""

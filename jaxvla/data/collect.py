@@ -70,9 +70,13 @@ class Demonstrator(Protocol):
 class ExpertDemonstrator:
   """Steps a batch of envs with their scripted expert (``expert_chunk``), one action at a time.
 
-  Every step's label is the expert's clean action; with ``noise > 0`` the env
-  executes that action plus Gaussian noise (DART-style, as the in-memory warm
-  start does), so the demonstrations visit states off the expert's path.
+  The expert plans ``horizon``-step chunks open loop, as a chunked policy acts: every
+  ``horizon`` steps of an episode it plans a clean chunk from the current state, and
+  each step's label is that chunk's action for the step (what the demonstrator meant).
+  With ``noise > 0`` the env executes the noisy version of the plan (DART-style:
+  ``config.bc.demo_noise`` in the warm start), so the demonstrations visit states off
+  the expert's path while a window of labels starting at a chunk boundary is exactly
+  the clean plan from that state (``config.data.stride = 0`` samples exactly those).
 
   To keep the dataset free of a bias towards short episodes, each env records
   the episodes it starts until ``num_episodes`` have been started in all, and every
@@ -83,25 +87,37 @@ class ExpertDemonstrator:
     noise: std of the execution noise.
     speed: the expert's speed (``config.bc.expert_speed``).
     seed: reset and noise seed.
+    horizon: steps the expert plans at once (the policy's ``model.chunk_len``).
   """
 
-  def __init__(self, env: protocol.VecEnv, *, noise: float, speed: float, seed: int):
+  def __init__(self, env: protocol.VecEnv, *, noise: float, speed: float, seed: int,
+               horizon: int = 1):
     if not hasattr(env, "expert_chunk"):
       raise ValueError(f"{type(env).__name__} has no scripted expert (expert_chunk); register a "
                        "demonstrator for its env name in jaxvla.data.collect.DEMONSTRATORS")
     self.env, self.spec = env, env.spec
-    self.noise, self.speed, self.seed = noise, speed, seed
+    self.noise, self.speed, self.seed, self.horizon = noise, speed, seed, horizon
 
   def episodes(self, num_episodes: int) -> Iterator[Episode]:
-    env, b = self.env, self.env.num_envs
+    env, b, h = self.env, self.env.num_envs, self.horizon
+    rows = np.arange(b)
     rng = np.random.default_rng(self.seed)
     obs = env.reset(self.seed)
     buffers: list[list | None] = [[] if i < num_episodes else None for i in range(b)]
     started, finished = min(b, num_episodes), 0
+    plan = np.zeros((b, h, self.spec.action_dim), np.float32)  # Clean chunks (labels).
+    noisy = np.zeros_like(plan)  # What the env executes.
+    k = np.full(b, h)  # Each env's step within its chunk (h: plan a new one).
     while finished < num_episodes:
-      label = env.expert_chunk(1, speed=self.speed)[:, 0]  # [B, A]
-      executed = env.expert_chunk(1, noise=self.noise, rng=rng, speed=self.speed)
-      result = env.step_chunk(executed)
+      replan = k >= h
+      if replan.any():
+        plan[replan] = env.expert_chunk(h, speed=self.speed)[replan]
+        noisy[replan] = env.expert_chunk(h, noise=self.noise, rng=rng, speed=self.speed)[replan]
+        k[replan] = 0
+      label = plan[rows, k]  # [B, A]
+      result = env.step_chunk(noisy[rows, k][:, None])
+      k += 1
+      k[result.done] = h  # A new episode starts with a new plan.
       for i in range(b):
         if buffers[i] is None:
           continue
@@ -131,7 +147,8 @@ def expert_demonstrator(config: ml_collections.ConfigDict, num_envs: int, *,
                         noise: float) -> Demonstrator:
   """The scripted expert of ``config.env`` on ``num_envs`` envs."""
   env = envs.make_env(config.env, num_envs, config.seed, group_size=1)
-  return ExpertDemonstrator(env, noise=noise, speed=config.bc.expert_speed, seed=config.seed)
+  return ExpertDemonstrator(env, noise=noise, speed=config.bc.expert_speed, seed=config.seed,
+                            horizon=config.model.chunk_len)
 
 
 # config.env.name -> factory (config, num_envs, noise=) -> Demonstrator, for envs whose

@@ -1,8 +1,8 @@
 """The ``data`` sub-config: which on-disk demonstrations to read and how they map onto a policy.
 
 ``get_config(preset)`` builds it; ``configs/default.py`` holds ``get_config()``,
-whose empty ``path`` keeps today's run (demonstrations from the env's scripted
-expert, in memory). A config file pointing at a dataset sets ``c.data =
+whose empty ``path`` makes the warm start record the env's scripted expert into
+``<workdir>/demos`` first (:func:`recorded` points the config at it). A config file pointing at a dataset sets ``c.data =
 get_config("openvla_libero")`` (or another preset) and ``c.data.path``; any
 field can then be overridden on the command line. Presets:
 
@@ -39,6 +39,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
   d.instruction_key = "language_instruction"  # Per-step text, or 'task_index' (LeRobot tasks).
   d.action_horizon = 0  # H future actions per sample (0: model.chunk_len).
   d.image_size = 0  # Resize every camera, with padding, to this square side (0: as stored).
+  # Samples start every `stride` steps of an episode (1: every step; 0: the action horizon,
+  # the states where a chunked policy acts).
+  d.stride = 1
   d.num_workers = 0  # grain prefetch processes (0: read in the training process).
   d.read_threads = 4  # grain threads reading samples in each process.
   if preset == "openvla_libero":
@@ -53,6 +56,19 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     d.action_key = "actions"
     d.instruction_key = "task_index"
   return d
+
+
+def recorded(d: ml_collections.ConfigDict, path: str,
+             camera_names: tuple[str, ...]) -> ml_collections.ConfigDict:
+  """``d`` pointed at a dataset ``python -m jaxvla.data.collect`` wrote at ``path`` for
+  an env with ``camera_names``: its format and feature keys, ``d``'s reading options."""
+  out = d.copy_and_resolve_references()
+  with out.unlocked():
+    out.path, out.format, out.split = path, "rlds", "train"
+    out.cameras = ml_collections.ConfigDict({c: f"observation/{c}" for c in camera_names})
+    out.state_key, out.action_key = "observation/state", "action"
+    out.instruction_key = "language_instruction"
+  return out
 
 
 def validate(d: ml_collections.ConfigDict) -> None:
@@ -70,5 +86,6 @@ def validate(d: ml_collections.ConfigDict) -> None:
     require(isinstance(d[field], str) and bool(d[field]), field, "must be a dataset key")
   require(d.action_horizon >= 0, "action_horizon", f"must be >= 0, got {d.action_horizon}")
   require(d.image_size >= 0, "image_size", f"must be >= 0, got {d.image_size}")
+  require(d.stride >= 0, "stride", f"must be >= 0 (0: the action horizon), got {d.stride}")
   require(d.num_workers >= 0, "num_workers", f"must be >= 0, got {d.num_workers}")
   require(d.read_threads >= 1, "read_threads", f"must be >= 1, got {d.read_threads}")

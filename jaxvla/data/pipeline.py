@@ -2,9 +2,9 @@
 
 * :func:`open_reader`: the ``data`` config -> an RLDS or LeRobot reader
   (format from the config or detected from the files).
-* :class:`StepSource`: a random-access source with one sample per step: the
-  cameras, state and instruction at the step and its next H actions with a
-  validity mask (False past the episode's end).
+* :class:`StepSource`: a random-access source with one sample per step (or per
+  ``stride``-th step of each episode): the cameras, state and instruction at the
+  step and its next H actions with a validity mask (False past the episode's end).
 * :func:`make_dataset`: grain ``MapDataset`` over that source: this process's
   shard (``[shard_index::shard_count]``: disjoint, together complete), a seeded
   shuffle redrawn every epoch, batches, then threads (``ReadOptions``) and
@@ -118,23 +118,34 @@ class StepSource:
     reader: the opened dataset.
     horizon: H, actions per sample.
     image_size: resize cameras to ``[image_size, image_size, 3]`` (0: as stored).
+    stride: samples start at steps ``0, stride, 2 * stride, ...`` of every episode
+      (1: every step). A chunked policy that acts every H steps sees only the states
+      at chunk starts; with ``stride = H`` the samples are those states.
   """
 
-  def __init__(self, reader: EpisodeReader, horizon: int, image_size: int = 0):
+  def __init__(self, reader: EpisodeReader, horizon: int, image_size: int = 0,
+               stride: int = 1):
     if horizon < 1:
       raise ValueError(f"action horizon must be >= 1, got {horizon}")
+    if stride < 1:
+      raise ValueError(f"sample stride must be >= 1, got {stride}")
     self.reader = reader
     self.horizon = horizon
     self.image_size = image_size
+    self.stride = stride
     image_shape(reader, image_size)  # fails now rather than in a worker
+    table = reader.table
+    # The global steps samples start at (all of them unless strided).
+    self._steps = (np.arange(table.num_steps) if stride == 1 else np.nonzero(
+        table.locate(np.arange(table.num_steps))[1] % stride == 0)[0])
 
   def __len__(self) -> int:
-    return self.reader.table.num_steps
+    return len(self._steps)
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    """Sample ``index`` (a global step): see the module docstring for the fields."""
+    """Sample ``index`` (of the sampled steps): see the module docstring for the fields."""
     table = self.reader.table
-    index = int(index)
+    index = int(self._steps[int(index)])
     episode, step = (int(x) for x in table.locate(index))
     actions, mask = table.action_window(index, self.horizon)
     images = self.reader.images(episode, step)
@@ -147,11 +158,12 @@ class StepSource:
 
   def __repr__(self) -> str:
     return (f"StepSource({self.reader.path}, {len(self)} steps, H={self.horizon}, "
+            f"stride={self.stride}, "
             f"image_size={self.image_size})")
 
 
 def make_dataset(reader: EpisodeReader, *, horizon: int, batch_size: int, seed: int,
-                 image_size: int = 0, shard_index: int | None = None,
+                 image_size: int = 0, stride: int = 1, shard_index: int | None = None,
                  shard_count: int | None = None, num_epochs: int | None = None,
                  num_workers: int = 0, read_threads: int = 4,
                  drop_remainder: bool = True) -> grain.IterDataset:
@@ -164,6 +176,7 @@ def make_dataset(reader: EpisodeReader, *, horizon: int, batch_size: int, seed: 
       divided by the process count, as ``Learner.bc_step`` takes this process's rows).
     seed: shuffle seed; epoch ``k`` is shuffled with ``seed + k``.
     image_size: resize cameras to this square side (0: as stored).
+    stride: samples start every ``stride`` steps of an episode (:class:`StepSource`).
     shard_index, shard_count: this process's shard; default
       ``jax.process_index()`` of ``jax.process_count()``. Shard ``i`` holds steps
       ``i, i + n, i + 2n, ...``: shards are disjoint and cover every step.
@@ -181,7 +194,7 @@ def make_dataset(reader: EpisodeReader, *, horizon: int, batch_size: int, seed: 
   shard_count = jax.process_count() if shard_count is None else shard_count
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index={shard_index} is not in [0, shard_count={shard_count})")
-  ds = grain.MapDataset.source(StepSource(reader, horizon, image_size))
+  ds = grain.MapDataset.source(StepSource(reader, horizon, image_size, stride))
   ds = ds[shard_index::shard_count].shuffle(seed=seed).repeat(num_epochs)
   # Batched before the threads and workers, so each of them assembles whole batches: the
   # batches do not depend on read_threads or num_workers.
@@ -200,14 +213,16 @@ def make_dataset(reader: EpisodeReader, *, horizon: int, batch_size: int, seed: 
 def from_config(d: ml_collections.ConfigDict, *, chunk_len: int, batch_size: int, seed: int,
                 shard_index: int | None = None, shard_count: int | None = None
                 ) -> tuple[grain.IterDataset, EpisodeReader]:
-  """:func:`make_dataset` for the ``data`` sub-config (H: ``d.action_horizon`` or ``chunk_len``).
+  """:func:`make_dataset` for the ``data`` sub-config (H: ``d.action_horizon`` or
+  ``chunk_len``; stride: ``d.stride``, 0 meaning H).
 
   Returns:
     the pipeline and the opened reader (for :func:`dataset_spec` and statistics).
   """
   reader = open_reader(d)
-  ds = make_dataset(reader, horizon=d.action_horizon or chunk_len, batch_size=batch_size,
-                    seed=seed, image_size=d.image_size, shard_index=shard_index,
+  horizon = d.action_horizon or chunk_len
+  ds = make_dataset(reader, horizon=horizon, batch_size=batch_size,
+                    seed=seed, image_size=d.image_size, stride=d.stride or horizon, shard_index=shard_index,
                     shard_count=shard_count, num_workers=d.num_workers,
                     read_threads=d.read_threads)
   return ds, reader

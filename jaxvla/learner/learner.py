@@ -34,6 +34,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import struct
 
@@ -198,8 +199,9 @@ class Learner:
     self._rows_sh = sharding_lib.batch_sharding(mesh, rules)  # [N, ...]: N split.
     self._data_sh = types.env_axis_tree(self.objective.data_type, {
         0: self._rows_sh, 1: sharding_lib.batch_sharding(mesh, rules, batch_dim=1)})
-    self.bc_step_jit = jax.jit(self._bc_step, in_shardings=(bc_sh, self._rows_sh, self._rows_sh),
-                                out_shardings=(bc_sh, rep), donate_argnums=0)
+    self.bc_step_jit = jax.jit(self._bc_step,
+                               in_shardings=(bc_sh, self._rows_sh, self._rows_sh, self._rows_sh),
+                               out_shardings=(bc_sh, rep), donate_argnums=0)
     self.update_jit = jax.jit(self._update, in_shardings=(ppo_sh, self._data_sh),
                                out_shardings=(ppo_sh, rep), donate_argnums=0)
     # Streamer: gradients live like the params; metrics and the row count replicated.
@@ -257,16 +259,21 @@ class Learner:
     return distributed.to_global(data, self._data_sh)
 
   # --------------------------------------------------------------------- BC --
-  def bc_step(self, state: TrainState, batch: dict, actions) -> tuple[TrainState, jax.Array]:
-    """One supervised step on this process's expert chunks ``actions [N, H, A]``."""
+  def bc_step(self, state: TrainState, batch: dict, actions,
+              mask=None) -> tuple[TrainState, jax.Array]:
+    """One supervised step on this process's expert chunks ``actions [N, H, A]``;
+    ``mask [N, H]`` (bool, default all True) marks the real actions of each chunk."""
     self._check_batch(actions.shape[0], "BC batch size", "config.bc.batch_size")
-    batch, actions = distributed.to_global((batch, actions), self._rows_sh)
-    return self.bc_step_jit(self._placed(state, self._bc_state_sh), batch, actions)
+    if mask is None:
+      mask = np.ones(actions.shape[:2], bool)
+    batch, actions, mask = distributed.to_global((batch, actions, mask), self._rows_sh)
+    return self.bc_step_jit(self._placed(state, self._bc_state_sh), batch, actions, mask)
 
-  def _bc_step(self, state: TrainState, batch: dict,
-               actions: jax.Array) -> tuple[TrainState, jax.Array]:
+  def _bc_step(self, state: TrainState, batch: dict, actions: jax.Array,
+               mask: jax.Array) -> tuple[TrainState, jax.Array]:
     rng, key = jax.random.split(state.rng)
-    loss, grads = jax.value_and_grad(self.policy.bc_loss)(state.params, batch, actions, key)
+    loss, grads = jax.value_and_grad(self.policy.bc_loss)(state.params, batch, actions, key,
+                                                          mask)
     updates, opt_state = self.bc_tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)

@@ -379,12 +379,18 @@ class ActionTokenPolicy:
                                     batch["token_mask"])
     return value(self.net, params, hidden, mask)
 
-  def bc_loss(self, params: contract.Params, batch: dict, actions: jax.Array,
-              rng: jax.Array) -> jax.Array:
-    """Cross-entropy (mean per token) of expert chunks ``actions [B, H, A]``, discretised."""
+  def bc_loss(self, params: contract.Params, batch: dict, actions: jax.Array, rng: jax.Array,
+              mask: jax.Array | None = None) -> jax.Array:
+    """Cross-entropy (mean per token) of expert chunks ``actions [B, H, A]``, discretised.
+
+    ``mask [B, H]`` (bool, default all True): the mean runs over the real actions' tokens.
+    """
     del rng  # Teacher forcing is deterministic.
     tokens = discretize(actions, self.num_bins).reshape(actions.shape[0], -1)  # [B, H * A]
     out, _, _ = teacher_forced(self.net, params, batch["images"], batch["tokens"],
                                batch["token_mask"], tokens)
     logp = jnp.take_along_axis(bin_log_probs(self.net, params, out), tokens[..., None], axis=-1)
-    return -logp.mean()
+    if mask is None:
+      return -logp.mean()
+    weight = jnp.repeat(mask.astype(logp.dtype), actions.shape[-1], axis=1)  # [B, H * A]
+    return -(logp[..., 0] * weight).sum() / jnp.maximum(weight.sum(), 1.0)

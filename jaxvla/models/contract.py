@@ -14,7 +14,8 @@ uniformly. Every method but :meth:`Policy.prepare` is pure and jittable.
 * ``evaluate(params, batch, chain) -> Evaluation``: log-prob of a stored chain,
   value and entropy under the current parameters (for PPO/GRPO).
 * ``value(params, batch) -> [B]``: the state value alone (GAE bootstraps).
-* ``bc_loss(params, batch, actions, rng)``: the supervised loss on expert chunks.
+* ``bc_loss(params, batch, actions, rng, mask=None)``: the supervised loss on expert
+  chunks; ``mask [B, H]`` (bool) leaves out the actions past an episode's end.
 """
 
 from __future__ import annotations
@@ -70,5 +71,5 @@ class Policy(Protocol):
   def act(self, params: Params, batch: dict, rng: jax.Array, mode: str) -> ActOutput: ...
   def evaluate(self, params: Params, batch: dict, chain: jax.Array) -> Evaluation: ...
   def value(self, params: Params, batch: dict) -> jax.Array: ...
-  def bc_loss(self, params: Params, batch: dict, actions: jax.Array,
-              rng: jax.Array) -> jax.Array: ...
+  def bc_loss(self, params: Params, batch: dict, actions: jax.Array, rng: jax.Array,
+              mask: jax.Array | None = None) -> jax.Array: ...

@@ -128,9 +128,14 @@ class FlowPolicy:
   def value(self, params: Params, batch: dict) -> jax.Array:
     return pi0.value(self.net, params, self._prefix(params, batch), batch["state"])
 
-  def bc_loss(self, params: Params, batch: dict, actions: jax.Array,
-              rng: jax.Array) -> jax.Array:
-    """Flow-matching loss on expert chunks ``actions`` ``[B, H, A_env]`` (a scalar)."""
+  def bc_loss(self, params: Params, batch: dict, actions: jax.Array, rng: jax.Array,
+              mask: jax.Array | None = None) -> jax.Array:
+    """Flow-matching loss on expert chunks ``actions`` ``[B, H, A_env]`` (a scalar).
+
+    ``mask`` ``[B, H]`` (bool, default all True): the mean runs over the real actions
+    only (a chunk window past an episode's end is padded in the data). The padded
+    actions still enter the action expert as noisy inputs, as in openpi.
+    """
     prefix = self._prefix(params, batch)
     pad = self.net.action_dim - actions.shape[-1]
     actions = jnp.pad(actions, ((0, 0), (0, 0), (0, pad)))
@@ -141,7 +146,10 @@ class FlowPolicy:
     x_t = t[:, None, None] * noise + (1.0 - t[:, None, None]) * actions
     v, _ = pi0.velocity(self.net, params, prefix, batch["state"], x_t, t)
     err = jnp.square(v - (noise - actions)) * self._dim_mask()
-    return err.sum() / (err.shape[0] * err.shape[1] * self.action_dim)
+    if mask is None:
+      return err.sum() / (err.shape[0] * err.shape[1] * self.action_dim)
+    mask = mask.astype(err.dtype)
+    return (err * mask[..., None]).sum() / (jnp.maximum(mask.sum(), 1.0) * self.action_dim)
 
 
 # config.model.name -> the family's constructor ``(model config, EnvSpec) -> Policy``.
