@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxvla.algorithms import gae, ppo
 
@@ -42,6 +43,104 @@ def test_gae_does_not_bootstrap_across_done():
                            gamma=1.0, lam=1.0)
   assert float(adv[0, 0]) == 0.0  # the episode ended: step 1's bootstrap must not leak back
   assert float(adv[1, 0]) == 10.0
+
+
+def numpy_gae_by_episode(rewards, values, dones, terminated, final_values, bootstrap, gamma,
+                         lam):
+  """The truncation-aware reference, written forwards: ``A_t`` is the (gamma * lam)-
+  discounted sum of the TD errors from ``t`` to the end of its episode (or segment).
+
+  A step's TD error looks at the next observation's value: none after a termination,
+  the episode's last observation's (``final_values``) after a truncation, the next
+  step's value inside an episode, ``bootstrap`` after the segment's last step.
+  """
+  t_len, b = rewards.shape
+  adv = np.zeros((t_len, b))
+  for j in range(b):
+    deltas = []
+    for t in range(t_len):
+      if terminated[t, j]:
+        next_v = 0.0
+      elif dones[t, j]:
+        next_v = final_values[t, j]
+      else:
+        next_v = bootstrap[j] if t == t_len - 1 else values[t + 1, j]
+      deltas.append(rewards[t, j] + gamma * next_v - values[t, j])
+    for t in range(t_len):
+      total, weight = 0.0, 1.0
+      for u in range(t, t_len):
+        total += weight * deltas[u]
+        if dones[u, j]:
+          break
+        weight *= gamma * lam
+      adv[t, j] = total
+  return adv, adv + values
+
+
+# Columns of one segment (T = 4), each a case:
+#   0: terminated at t = 1;        1: truncated at t = 1 (final value 5);
+#   2: truncated at the last step (final value 7, not the bootstrap 3);
+#   3: terminated at t = 0 and truncated at t = 2 (final value -2);
+#   4: lost to a worker fault at t = 1 (truncated, no final observation: value 0);
+#   5: no episode end.
+_DONE = np.array([[0, 0, 0, 1, 0, 0],
+                  [1, 1, 0, 0, 1, 0],
+                  [0, 0, 0, 1, 0, 0],
+                  [0, 0, 1, 0, 0, 0]], bool)
+_TERMINATED = np.array([[0, 0, 0, 1, 0, 0],
+                        [1, 0, 0, 0, 0, 0],
+                        [0, 0, 0, 0, 0, 0],
+                        [0, 0, 0, 0, 0, 0]], bool)
+_FINAL = np.array([[0, 0, 0, 0, 0, 0],
+                   [0, 5, 0, 0, 0, 0],
+                   [0, 0, 0, -2, 0, 0],
+                   [0, 0, 7, 0, 0, 0]], np.float32)
+
+
+def _gae(rewards, values, bootstrap, gamma, lam, **truncation):
+  adv, ret = gae.compute_gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(_DONE),
+                             jnp.asarray(bootstrap), gamma=gamma, lam=lam, **truncation)
+  return np.asarray(adv), np.asarray(ret)
+
+
+def test_gae_bootstraps_truncations_like_the_numpy_reference():
+  rng = np.random.default_rng(2)
+  rewards = rng.normal(size=_DONE.shape).astype(np.float32)
+  values = rng.normal(size=_DONE.shape).astype(np.float32)
+  bootstrap = np.full((_DONE.shape[1],), 3.0, np.float32)
+  adv, ret = _gae(rewards, values, bootstrap, 0.9, 0.8, terminated=jnp.asarray(_TERMINATED),
+                  final_values=jnp.asarray(_FINAL))
+  ref_adv, ref_ret = numpy_gae_by_episode(rewards, values, _DONE, _TERMINATED, _FINAL,
+                                          bootstrap, 0.9, 0.8)
+  np.testing.assert_allclose(adv, ref_adv, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ret, ref_ret, rtol=1e-5, atol=1e-5)
+  # Worked by hand with lambda = 1: the return is the rewards to the episode's end,
+  # then gamma^k times what lies past it.
+  r, v, g = np.ones((4, 6), np.float32), np.zeros((4, 6), np.float32), 0.5
+  v[2, [0, 4]] = 9.0  # The value after an episode's end must not leak back into it.
+  _, ret = _gae(r, v, bootstrap, g, 1.0, terminated=jnp.asarray(_TERMINATED),
+                final_values=jnp.asarray(_FINAL))
+  np.testing.assert_allclose(ret[:, 0], [1.5, 1.0, 1.5 + 0.25 * 3.0, 1.0 + 0.5 * 3.0])  # Ends at 1.
+  np.testing.assert_allclose(ret[:2, 1], [1.5 + 0.25 * 5, 1.0 + 0.5 * 5])  # Truncated at 1.
+  np.testing.assert_allclose(ret[3, 2], 1.0 + 0.5 * 7)  # Its final value, not the bootstrap.
+  np.testing.assert_allclose(ret[:3, 3], [1.0, 1.5 + 0.25 * -2, 1.0 + 0.5 * -2])
+  np.testing.assert_allclose(ret[:, 4], ret[:, 0])  # A fault is cut like a termination.
+  np.testing.assert_allclose(ret[0, 5], 1 + 0.5 + 0.25 + 0.125 + 0.0625 * 3.0)
+
+
+def test_gae_without_truncations_is_unchanged():
+  """Every end a termination (final values 0): bit-identical to GAE without them."""
+  rng = np.random.default_rng(3)
+  rewards = rng.normal(size=_DONE.shape).astype(np.float32)
+  values = rng.normal(size=_DONE.shape).astype(np.float32)
+  bootstrap = rng.normal(size=(_DONE.shape[1],)).astype(np.float32)
+  plain = _gae(rewards, values, bootstrap, 0.97, 0.9)
+  explicit = _gae(rewards, values, bootstrap, 0.97, 0.9, terminated=jnp.asarray(_DONE),
+                  final_values=jnp.zeros(_DONE.shape))
+  np.testing.assert_array_equal(plain[0], explicit[0])
+  np.testing.assert_array_equal(plain[1], explicit[1])
+  with pytest.raises(ValueError, match="terminated and final_values together"):
+    _gae(rewards, values, bootstrap, 0.97, 0.9, terminated=jnp.asarray(_DONE))
 
 
 def test_ppo_loss_matches_numpy():
