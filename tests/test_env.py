@@ -75,6 +75,48 @@ def test_chunk_stops_at_episode_end_and_time_limit():
   assert (env.t == 0).all()  # auto-reset
 
 
+def test_truncated_episodes_report_their_final_observation():
+  """A time limit's last observation, before the auto-reset, in final_obs; a termination
+  in the same chunk and an episode going on have none."""
+  env = make(3, max_episode_steps=7)
+  env.reset(0)
+  env.agent[:] = 0.0
+  env.targets[:] = 0.9  # Far away: nothing is reached by standing still.
+  r1 = env.step_chunk(np.zeros((3, 5, 2)))
+  other = (env.goal[0] + 1) % env.num_targets
+  env.agent[0] = env.targets[0, other] + np.array([0.05, 0.0], np.float32)  # Fails at once.
+  before = env.observe()
+  env.t[2] = 0  # Env 2's episode is far from its limit.
+  r2 = env.step_chunk(np.zeros((3, 5, 2)))
+  assert r2.terminated.tolist() == [True, False, False]
+  assert r2.truncated.tolist() == [False, True, False]
+  assert r2.has_final_obs.tolist() == [False, True, False] and r2.final_obs.batch_size == 1
+  np.testing.assert_array_equal(r2.final_obs.images[0], before.images[1])  # Stood still.
+  np.testing.assert_array_equal(r2.final_obs.state[0], before.state[1])
+  np.testing.assert_array_equal(before.images[1], r1.obs.images[1])
+  assert r2.final_obs.instruction[0] == before.instruction[1]
+  assert not np.array_equal(r2.obs.images[1], before.images[1])  # A new layout.
+  assert not r1.has_final_obs.any() and r1.final_obs.batch_size == 0
+  assert r1.final_obs.images.shape == (0, 1, 32, 32, 3)
+
+
+def test_chunk_step_take_and_concat_keep_final_obs_with_their_rows():
+  env = make(4, max_episode_steps=8)
+  env.reset(0)
+  env.targets[:] = 0.9
+  env.agent[:] = np.arange(8, dtype=np.float32).reshape(4, 2) / 10
+  env.t[[1, 3]] = 3  # Envs 1 and 3 hit the limit in this chunk, 0 and 2 go on.
+  res = env.step_chunk(np.zeros((4, 5, 2)))
+  assert res.has_final_obs.tolist() == [False, True, False, True]
+  np.testing.assert_allclose(res.final_obs.state, [[0.2, 0.3], [0.6, 0.7]])  # Stood still.
+  swapped = res.take(np.array([3, 0, 1]))
+  assert swapped.has_final_obs.tolist() == [True, False, True]
+  np.testing.assert_array_equal(swapped.final_obs.state, res.final_obs.state[::-1])
+  cat = protocol.concat_chunk_steps([res.take(np.array([2, 3])), res.take(np.array([1]))])
+  np.testing.assert_array_equal(cat.final_obs.images, res.final_obs.images[::-1])
+  assert cat.has_final_obs.tolist() == [False, True, True] and cat.reward.shape == (3,)
+
+
 def test_bad_action_shape_is_a_clear_error():
   env = make(3)
   with pytest.raises(ValueError, match=r"num_envs=3, chunk, action_dim=2"):

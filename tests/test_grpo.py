@@ -45,7 +45,8 @@ def _result(env_ids, ended, episode_of, returns, group_size=GROUP_SIZE, faults=(
   n = len(env_ids)
   return protocol.ChunkStep(obs=None, reward=np.ones(n, np.float32), terminated=done,
                             truncated=np.zeros(n, bool), success=np.zeros(n, bool),
-                            steps=np.full(n, 5, np.int32), episodes=stats)
+                            steps=np.full(n, 5, np.int32), episodes=stats,
+                            has_final_obs=np.zeros(n, bool), final_obs=None)
 
 
 def test_builder_gathers_groups_whose_members_finish_apart():

@@ -292,7 +292,8 @@ def test_result_without_act_is_an_error():
   builder = segments_lib.SegmentBuilder(2, 2, 1)
   step = protocol.ChunkStep(obs=None, reward=np.zeros(1, np.float32),
                             terminated=np.zeros(1, bool), truncated=np.zeros(1, bool),
-                            success=np.zeros(1, bool), steps=np.ones(1, np.int32), episodes=[])
+                            success=np.zeros(1, bool), steps=np.ones(1, np.int32), episodes=[],
+                            has_final_obs=np.zeros(1, bool), final_obs=None)
   with pytest.raises(RuntimeError, match="env 1: a result arrived with no chunk"):
     builder.on_result(np.array([1]), step)
 

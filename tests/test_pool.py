@@ -108,14 +108,19 @@ def test_step_chunk_equals_in_process_stepping():
     np.testing.assert_array_equal(obs.images, np.concatenate([o.images for o in ref_obs]))
     np.testing.assert_array_equal(obs.state, np.concatenate([o.state for o in ref_obs]))
     assert obs.instruction.tolist() == [o.instruction[0] for o in ref_obs]
-    episodes = 0
+    episodes = truncations = 0
     for _ in range(6):
       actions = random_actions(rng, 4)
       got = pool.step_chunk(actions)
       refs = [e.step_chunk(actions[i:i + 1]) for i, e in enumerate(envs)]
-      for field in ("reward", "terminated", "truncated", "success", "steps"):
+      for field in ("reward", "terminated", "truncated", "success", "steps", "has_final_obs"):
         np.testing.assert_array_equal(getattr(got, field),
                                       np.concatenate([getattr(r, field) for r in refs]))
+      # The last observations of time-limit truncations came through the pipe, in row order.
+      for field in ("images", "state", "instruction"):
+        np.testing.assert_array_equal(getattr(got.final_obs, field), np.concatenate(
+            [getattr(r.final_obs, field) for r in refs]))
+      truncations += int(got.has_final_obs.sum())
       np.testing.assert_array_equal(got.obs.images,
                                     np.concatenate([r.obs.images for r in refs]))
       np.testing.assert_array_equal(got.obs.state, np.concatenate([r.obs.state for r in refs]))
@@ -124,9 +129,10 @@ def test_step_chunk_equals_in_process_stepping():
       assert got.episodes == ref_eps
       in_batch = batch.step_chunk(actions)
       np.testing.assert_array_equal(got.obs.state, in_batch.obs.state)
+      np.testing.assert_array_equal(got.final_obs.images, in_batch.final_obs.images)
       assert got.episodes == in_batch.episodes
       episodes += len(got.episodes)
-    assert episodes > 0  # Auto-reset happened inside the workers.
+    assert episodes > 0 and truncations > 0  # Auto-reset happened inside the workers.
     assert pool.stats.chunks == 24 and pool.stats.restarts == 0
 
 
@@ -206,6 +212,9 @@ def test_sigkill_restarts_worker_and_reports_truncated_episodes():
     os.kill(old_pid, signal.SIGKILL)
     res = pool.step_chunk(random_actions(rng, 4))
     assert res.truncated[:2].all() and res.done[:2].all() and not res.truncated[2:].any()
+    # Lost, not cut by the time limit: no final observation, so no bootstrap.
+    assert not res.has_final_obs[:2].any()
+    assert res.final_obs.batch_size == int(res.has_final_obs.sum())
     assert pool.stats.restarts == 1 and pool.stats.died == 1
     lost = [e for e in res.episodes if e.env_id in (0, 1)]
     assert [e.env_id for e in lost] == [0, 1] and pool.stats.truncated_by_fault == 2
@@ -248,6 +257,33 @@ def test_kill_with_chunks_in_flight_and_with_idle_envs_in_the_async_api():
     assert pool.stats.truncated_by_fault == 4
     pool.send(zeros[:3], np.array([1, 2, 3]))  # The run goes on with fresh episodes.
     assert recv_all(pool, 3) == [(i, False, CHUNK) for i in (1, 2, 3)]
+
+
+def test_a_restart_keeps_the_final_obs_of_a_result_not_yet_received():
+  """A time-limit truncation still waiting in the parent when its worker dies lost no
+  episode: it keeps its final observation; the env in flight is a fault without one."""
+  zeros = np.zeros((4, CHUNK, 2), np.float32)  # Stand still: episodes end at 10 steps.
+  with make_pool() as pool:
+    start = pool.reset(0)
+    pool.step_chunk(zeros)
+    pool.step_chunk(zeros)  # 8 of 10 steps.
+    pool.send(zeros[:2], np.array([0, 1]))  # Worker 0 answers both in one reply.
+    ids, first = pool.recv(1, float("inf"))
+    assert ids.tolist() == [0] and first.has_final_obs.tolist() == [True]
+    np.testing.assert_array_equal(first.final_obs.state[0], start.state[0])
+    os.kill(pool.pids[0], signal.SIGKILL)  # Env 1's result waits in the parent.
+    pool.send(zeros[:1], np.array([0]))  # Noticed on this send or the next recv.
+    got = {}
+    while len(got) < 2:
+      ids, res = pool.recv(2, 30.0)
+      got.update((int(i), res.take(np.array([k]))) for k, i in enumerate(ids))
+    assert pool.stats.restarts == 1 and pool.stats.truncated_by_fault == 1
+    kept, lost = got[1], got[0]
+    assert kept.truncated[0] and kept.has_final_obs[0] and kept.steps[0] == 2
+    np.testing.assert_array_equal(kept.final_obs.images[0], start.images[1])
+    np.testing.assert_array_equal(kept.final_obs.state[0], start.state[1])
+    assert lost.truncated[0] and not lost.has_final_obs[0] and lost.final_obs.batch_size == 0
+    assert [e.fault for e in lost.episodes if e.env_id == 0] == [True]
 
 
 def test_hung_worker_is_restarted_after_step_timeout(tmp_path):

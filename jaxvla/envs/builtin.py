@@ -193,28 +193,32 @@ class ColorReach:
              for i in range(self.num_envs)]
     return np.array([f"move to the {c} target" for c in names], dtype=object)
 
-  def render(self) -> np.ndarray:
-    """Draws every env: ``uint8 [B, S, S, 3]``."""
-    b, s = self.num_envs, self.image_size
-    img = np.broadcast_to(_BACKGROUND, (b, s, s, 3)).copy()
+  def render(self, ids: np.ndarray | None = None) -> np.ndarray:
+    """Draws envs ``ids`` ``[b]`` (default: every env): ``uint8 [b, S, S, 3]``."""
+    ids = np.arange(self.num_envs) if ids is None else np.asarray(ids, np.int64)
+    agent, targets = self.agent[ids], self.targets[ids]
+    s = self.image_size
+    img = np.broadcast_to(_BACKGROUND, (len(ids), s, s, 3)).copy()
     px = self._pix
     disc_r = self.goal_radius * 0.9
     for k in range(self.num_targets):
-      dy = px[None, :, None] - self.targets[:, k, 1][:, None, None]
-      dx = px[None, None, :] - self.targets[:, k, 0][:, None, None]
+      dy = px[None, :, None] - targets[:, k, 1][:, None, None]
+      dx = px[None, None, :] - targets[:, k, 0][:, None, None]
       mask = dx * dx + dy * dy <= disc_r * disc_r
-      colour = self.palette[self.target_colours[:, k]]  # [B, 3]
+      colour = self.palette[self.target_colours[ids, k]]  # [b, 3]
       img = np.where(mask[..., None], colour[:, None, None, :], img)
-    dy = px[None, :, None] - self.agent[:, 1][:, None, None]
-    dx = px[None, None, :] - self.agent[:, 0][:, None, None]
+    dy = px[None, :, None] - agent[:, 1][:, None, None]
+    dx = px[None, None, :] - agent[:, 0][:, None, None]
     mask = dx * dx + dy * dy <= (0.6 * disc_r) ** 2
     img = np.where(mask[..., None], _AGENT_COLOUR, img)
     return img
 
-  def observe(self) -> protocol.Observation:
+  def observe(self, ids: np.ndarray | None = None) -> protocol.Observation:
+    """The observations of envs ``ids`` ``[b]`` (default: every env)."""
+    ids = np.arange(self.num_envs) if ids is None else np.asarray(ids, np.int64)
     return protocol.Observation(
-        images=self.render()[:, None], state=self.agent.copy(),
-        instruction=self.instructions())
+        images=self.render(ids)[:, None], state=self.agent[ids],
+        instruction=self.instructions()[ids])
 
   # ------------------------------------------------------------------- step --
   def step_chunk(self, actions: np.ndarray) -> protocol.ChunkStep:
@@ -250,6 +254,7 @@ class ColorReach:
     self.ep_return += reward
     done = terminated | truncated
     ended = np.nonzero(done)[0]
+    final_obs = self.observe(np.flatnonzero(truncated))  # Before the auto-reset replaces it.
     episodes = [
         protocol.EpisodeStats(env_id=int(i), group=int(self._groups[i]),
                               episode=int(self._episode[i]),
@@ -260,7 +265,8 @@ class ColorReach:
     self._new_episodes(ended)
     return protocol.ChunkStep(obs=self.observe(), reward=reward, terminated=terminated,
                               truncated=truncated, success=success, steps=steps,
-                              episodes=episodes)
+                              episodes=episodes, has_final_obs=truncated.copy(),
+                              final_obs=final_obs)
 
   def _sleep_latency(self, n_active: int) -> None:
     """Sleeps the summed latency of ``n_active`` serially stepped envs."""

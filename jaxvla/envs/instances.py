@@ -29,7 +29,9 @@ class InstanceBatch:
       one env step; ``self.t[i]`` already counts it.
     _map_actions(actions [B, H, A]) -> [B, H, A]: policy actions to the
       simulator's (default: clip to ``[-1, 1]``).
-    observe() -> Observation from ``self._last`` (raw observations, one per env).
+    _observe(raw [b]) -> Observation ``[b]``: a list of raw observations as a batch.
+      :meth:`observe` is that of ``self._last`` (each env's latest); a chunk also
+      turns the last raw observation of a truncated episode into its ``final_obs``.
   """
 
   num_envs: int
@@ -75,6 +77,10 @@ class InstanceBatch:
   def _map_actions(self, actions: np.ndarray) -> np.ndarray:
     return np.clip(actions, -1.0, 1.0)
 
+  def observe(self) -> protocol.Observation:
+    """Every env's latest observation ``[B]``."""
+    return self._observe(self._last)
+
   def reset(self, seed: int,
             first_episode: np.ndarray | None = None) -> protocol.Observation:
     self._seed = seed
@@ -87,7 +93,7 @@ class InstanceBatch:
     n = self.num_envs
     reward, steps = np.zeros(n, np.float32), np.zeros(n, np.int32)
     terminated, truncated, success = (np.zeros(n, bool) for _ in range(3))
-    episodes = []
+    episodes, final_obs = [], []
     for i in range(n):
       for a in actions[i]:
         self.t[i] += 1
@@ -104,12 +110,16 @@ class InstanceBatch:
             env_id=i, group=int(self._groups[i]), episode=int(self._episode[i]),
             episode_return=float(self.ep_return[i]), length=int(self.t[i]),
             success=bool(success[i]), truncated=bool(truncated[i])))
+        if truncated[i]:  # Converted now: the reset may reuse the simulator's buffers.
+          final_obs.append(self._observe([self._last[i]]))
         self._episode[i] += 1  # Auto-reset: the env's own next episode.
         self._new_episode(i)
     success &= terminated | truncated  # success is reported when the episode ends
-    return protocol.ChunkStep(obs=self.observe(), reward=reward, terminated=terminated,
-                              truncated=truncated, success=success, steps=steps,
-                              episodes=episodes)
+    return protocol.ChunkStep(
+        obs=self.observe(), reward=reward, terminated=terminated, truncated=truncated,
+        success=success, steps=steps, episodes=episodes, has_final_obs=truncated.copy(),
+        final_obs=protocol.concat_observations(final_obs) if final_obs
+        else protocol.Observation.empty(self.spec))
 
   def close(self) -> None:
     for env in self._envs:

@@ -154,12 +154,12 @@ class LiberoEnv(instances.InstanceBatch):
                            quat2axisangle(obs["robot0_eef_quat"]),
                            np.asarray(obs["robot0_gripper_qpos"])]).astype(np.float32)
 
-  def observe(self) -> protocol.Observation:
+  def _observe(self, raw: list) -> protocol.Observation:
     images = np.stack([np.stack([np.asarray(o[c])[::-1, ::-1] for c in CAMERAS])
-                       for o in self._last]).astype(np.uint8)  # [B, 2, H, W, 3]
+                       for o in raw]).astype(np.uint8)  # [b, 2, H, W, 3]
     return protocol.Observation(
-        images=np.ascontiguousarray(images), state=np.stack([self._state(o) for o in self._last]),
-        instruction=np.array([self.instruction] * self.num_envs, dtype=object))
+        images=np.ascontiguousarray(images), state=np.stack([self._state(o) for o in raw]),
+        instruction=np.array([self.instruction] * len(raw), dtype=object))
 
 
 def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,

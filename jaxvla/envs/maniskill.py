@@ -117,16 +117,16 @@ class ManiSkillCPU(instances.InstanceBatch):
     parts += [_np(obs["extra"][k]).reshape(-1) for k in sorted(obs["extra"])]
     return np.concatenate(parts).astype(np.float32)
 
-  def observe(self) -> protocol.Observation:
+  def _observe(self, raw: list) -> protocol.Observation:
     if self.obs_mode == "rgb":
       images = np.stack([
           np.stack([_np(o["sensor_data"][c]["rgb"])[0] for c in self.spec.camera_names])
-          for o in self._last]).astype(np.uint8)
+          for o in raw]).astype(np.uint8)
     else:
-      images = np.zeros((self.num_envs, 1, 1, 1, 3), np.uint8)
+      images = np.zeros((len(raw), 1, 1, 1, 3), np.uint8)
     return protocol.Observation(
-        images=images, state=np.stack([self._state(o) for o in self._last]),
-        instruction=np.array([INSTRUCTIONS[self.task_name]] * self.num_envs, dtype=object))
+        images=images, state=np.stack([self._state(o) for o in raw]),
+        instruction=np.array([INSTRUCTIONS[self.task_name]] * len(raw), dtype=object))
 
 
 def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,

@@ -9,7 +9,8 @@ the messages it exchanges live in :mod:`jaxvla.envs.worker`.
 single-env batches built by a picklable ``env_fn``, execute whole action chunks
 (one round trip per chunk), and write observations straight into shared memory
 (``images uint8 [num_envs, N_cam, H, W, 3]``, ``state float32 [num_envs, S]``);
-only small per-env scalars, instructions and :class:`protocol.EpisodeStats`
+only small per-env scalars, instructions, :class:`protocol.EpisodeStats` and the
+last observations of episodes truncated by their time limit (``ChunkStep.final_obs``)
 travel through the pipes.
 
 Two ways to drive it:
@@ -25,9 +26,10 @@ Faults: a worker that dies, or does not answer within ``step_timeout_s``, is
 killed and restarted with fresh envs. Every env it owned comes back (from the
 pending ``recv``, or from its next ``send`` if it was idle) with ``done``,
 ``truncated=True``, a fresh observation and a truncated :class:`EpisodeStats`
-for the episode that was lost. A Python exception in a simulator is re-raised
-in the parent as a ``RuntimeError`` naming the env ids, the task and the worker
-traceback (the worker is restarted first, so the pool stays usable).
+for the episode that was lost; it has no final observation (``has_final_obs``
+False), so its return is not bootstrapped. A Python exception in a simulator is
+re-raised in the parent as a ``RuntimeError`` naming the env ids, the task and the
+worker traceback (the worker is restarted first, so the pool stays usable).
 
 Episodes and GRPO groups: a worker builds env ``i`` as global env ``i`` of
 ``num_envs`` (``env_fn(i, 1, ...)``), so the env knows its group ``i //
@@ -315,6 +317,8 @@ class _EnvBook:
       lost = self._end_episode(i, int(groups[i]), in_flight=state is EnvState.IN_FLIGHT)
       num_lost += len(lost)
       if state is EnvState.READY:  # Its obs row is about to be overwritten.
+        # A result that ended its episode lost none and keeps its final observation;
+        # one that did not has none: the lost episode is not bootstrapped.
         r = self.ready[i]
         outcome = dataclasses.replace(r.outcome, truncated=True,
                                       episodes=r.outcome.episodes + lost)
@@ -355,33 +359,28 @@ class _EnvBook:
     return [self.ready.pop(i).outcome for i in env_ids]
 
 
-def _chunk_step(obs: protocol.Observation,
-                outcomes: list[worker.EnvOutcome]) -> protocol.ChunkStep:
+def _chunk_step(obs: protocol.Observation, outcomes: list[worker.EnvOutcome],
+                spec: protocol.EnvSpec) -> protocol.ChunkStep:
   """The ChunkStep of ``outcomes`` ``[b]`` with observations ``obs`` ``[b]``."""
+  finals = [o.final_obs for o in outcomes if o.final_obs is not None]
   return protocol.ChunkStep(
       obs=obs, reward=np.array([o.reward for o in outcomes], np.float32),
       terminated=np.array([o.terminated for o in outcomes], bool),
       truncated=np.array([o.truncated for o in outcomes], bool),
       success=np.array([o.success for o in outcomes], bool),
       steps=np.array([o.steps for o in outcomes], np.int32),
-      episodes=[e for o in outcomes for e in o.episodes])
+      episodes=[e for o in outcomes for e in o.episodes],
+      has_final_obs=np.array([o.final_obs is not None for o in outcomes], bool),
+      final_obs=(protocol.concat_observations(finals) if finals
+                 else protocol.Observation.empty(spec)))
 
 
 def _in_env_order(parts: list[tuple[np.ndarray, protocol.ChunkStep]]) -> protocol.ChunkStep:
   """Concatenates ``recv`` results ``(env_ids, ChunkStep)`` covering every env once, by env id."""
   order = np.argsort(np.concatenate([ids for ids, _ in parts]))
-  steps = [step for _, step in parts]
-
-  def cat(arrays) -> np.ndarray:
-    return np.concatenate(list(arrays))[order]
-
-  obs = protocol.Observation(cat(s.obs.images for s in steps), cat(s.obs.state for s in steps),
-                             cat(s.obs.instruction for s in steps))
-  return protocol.ChunkStep(
-      obs=obs, reward=cat(s.reward for s in steps), terminated=cat(s.terminated for s in steps),
-      truncated=cat(s.truncated for s in steps), success=cat(s.success for s in steps),
-      steps=cat(s.steps for s in steps),
-      episodes=sorted((e for s in steps for e in s.episodes), key=lambda e: e.env_id))
+  step = protocol.concat_chunk_steps([step for _, step in parts]).take(order)
+  step.episodes.sort(key=lambda e: e.env_id)
+  return step
 
 
 def _check_pool_args(num_envs: int, envs_per_worker: int, start_method: str,
@@ -711,7 +710,7 @@ class EnvPool:
       self._poll(wait_s)
     ids = self._book.earliest_ready(b_max)
     obs = protocol.Observation(self._images[ids], self._state[ids], self._book.instruction[ids])
-    return np.array(ids, np.int64), _chunk_step(obs, self._book.take(ids))
+    return np.array(ids, np.int64), _chunk_step(obs, self._book.take(ids), self.spec)
 
   def _recv_wait_s(self, t_max_s: float) -> float | None:
     """How long ``recv`` may still wait for replies: None for no limit, <= 0 for none."""

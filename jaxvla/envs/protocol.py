@@ -10,6 +10,11 @@ Observations have one structure whatever the simulator (:class:`Observation`):
 images per camera, proprioceptive state, and the language instruction as text
 (tokenisation belongs to the policy).
 
+Episode ends: a *terminated* episode (success or failure) has no future; a
+*truncated* one (time limit) was cut while it could still go on, so PPO's returns
+bootstrap it from the value of its last observation. Auto-reset replaces that
+observation in ``ChunkStep.obs``, so every env reports it in ``ChunkStep.final_obs``.
+
 Group resets (GRPO): global env ``i`` of a run belongs to group ``i // G`` (``G``
 is ``env.group_size``, which must divide the number of envs). Every env counts its
 own episodes from 0, and its ``k``-th episode starts from an initial state that is
@@ -67,6 +72,12 @@ class Observation:
     """Returns the sub-batch at integer indices ``idx`` ``[b]``."""
     return Observation(self.images[idx], self.state[idx], self.instruction[idx])
 
+  @classmethod
+  def empty(cls, spec: EnvSpec) -> "Observation":
+    """A batch of no observations shaped like ``spec``'s (``[0, ...]``)."""
+    return cls(np.zeros((0, len(spec.camera_names), *spec.image_shape), np.uint8),
+               np.zeros((0, spec.state_dim), np.float32), np.zeros((0,), object))
+
 
 def concat_observations(parts: list[Observation]) -> Observation:
   """The batches ``parts`` one after another (``[sum b_i, ...]``)."""
@@ -112,10 +123,20 @@ class ChunkStep:
       observation of the next (auto-reset) episode.
     reward: ``float32 [B]`` reward summed over the executed steps.
     terminated: ``bool [B]`` the episode ended by success or failure.
-    truncated: ``bool [B]`` the episode hit the time limit.
+    truncated: ``bool [B]`` the episode hit the time limit (or, in an env pool, was
+      lost to a worker restart).
     success: ``bool [B]`` the episode ended in success during this chunk.
     steps: ``int32 [B]`` env steps executed (``<= H``).
     episodes: stats of every episode that ended during this chunk.
+    has_final_obs: ``bool [B]`` the episode was truncated by its time limit and
+      ``final_obs`` holds its last observation. False for a truncation by a worker
+      fault: that episode has no final observation, so its return is not
+      bootstrapped (it is cut like a termination).
+    final_obs: the last observations of those episodes (before the auto-reset),
+      ``[n]`` for the ``n`` rows of ``np.flatnonzero(has_final_obs)``, in row order.
+      Only the truncated rows are kept: a full batch would double the memory of
+      every result (224 px cameras) for the few rows that need it. A truncated
+      return is bootstrapped from its value.
   """
   obs: Observation
   reward: np.ndarray
@@ -124,10 +145,45 @@ class ChunkStep:
   success: np.ndarray
   steps: np.ndarray
   episodes: list[EpisodeStats]
+  has_final_obs: np.ndarray
+  final_obs: Observation
 
   @property
   def done(self) -> np.ndarray:
     return np.logical_or(self.terminated, self.truncated)
+
+  def take(self, idx: np.ndarray) -> "ChunkStep":
+    """The rows at integer indices ``idx`` ``[b]``, ``final_obs`` following them.
+
+    ``episodes`` is kept whole: its stats name env ids, not rows (a caller that
+    drops rows filters them itself).
+    """
+    idx = np.asarray(idx, np.int64)
+    return ChunkStep(obs=self.obs.take(idx), reward=self.reward[idx],
+                     terminated=self.terminated[idx], truncated=self.truncated[idx],
+                     success=self.success[idx], steps=self.steps[idx],
+                     episodes=list(self.episodes), has_final_obs=self.has_final_obs[idx],
+                     final_obs=self.final_obs.take(final_obs_index(self.has_final_obs, idx)))
+
+
+def final_obs_index(has_final_obs: np.ndarray, rows: np.ndarray) -> np.ndarray:
+  """``int64 [n]``: where in ``final_obs`` the rows ``rows`` ``[b]`` that have one are."""
+  position = np.cumsum(has_final_obs, dtype=np.int64) - 1  # [B] its index, where it has one.
+  rows = np.asarray(rows, np.int64)
+  return position[rows[has_final_obs[rows]]]
+
+
+def concat_chunk_steps(parts: list[ChunkStep]) -> ChunkStep:
+  """The results ``parts`` one after another (``[sum b_i]`` rows, episodes in order)."""
+  if not parts:
+    raise ValueError("concat_chunk_steps needs at least one ChunkStep")
+  cat = lambda name: np.concatenate([getattr(p, name) for p in parts])
+  return ChunkStep(
+      obs=concat_observations([p.obs for p in parts]), reward=cat("reward"),
+      terminated=cat("terminated"), truncated=cat("truncated"), success=cat("success"),
+      steps=cat("steps"), episodes=[e for p in parts for e in p.episodes],
+      has_final_obs=cat("has_final_obs"),
+      final_obs=concat_observations([p.final_obs for p in parts]))
 
 
 class VecEnv(Protocol):

@@ -12,7 +12,9 @@ neither has to guess the other's layout:
 * the observations, which never go through the pipe: the worker writes them in
   place into shared memory laid out by :class:`SharedObs` (one row per global
   env), so only small scalars, instructions and :class:`protocol.EpisodeStats`
-  are pickled.
+  are pickled. The one exception is the last observation of an episode truncated
+  by its time limit (:attr:`EnvOutcome.final_obs`): an env has one at most once
+  per episode, and its shared-memory row already holds the next episode's first.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class ResetDone:
   finished_at: float  # time.monotonic() (one clock system-wide, so the parent can compare).
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class EnvOutcome:
   """One env's result of one chunk: a row of :class:`protocol.ChunkStep` less the obs."""
   reward: float = 0.0
@@ -90,10 +92,14 @@ class EnvOutcome:
   success: bool = False
   steps: int = 0  # Actions executed (< H when the episode ended within the chunk).
   episodes: tuple[protocol.EpisodeStats, ...] = ()  # Episodes that ended, with global env ids.
+  # The last observation (a batch of one) of an episode truncated by its time limit;
+  # None otherwise (a restart's truncation has none: see ChunkStep.has_final_obs).
+  final_obs: protocol.Observation | None = None
 
   @classmethod
   def lost(cls, episodes: tuple[protocol.EpisodeStats, ...]) -> EnvOutcome:
-    """The outcome of a chunk cut short by a worker restart: truncated, no steps."""
+    """The outcome of a chunk cut short by a worker restart: truncated, no steps, no
+    final observation (its return is not bootstrapped)."""
     return cls(truncated=True, episodes=tuple(episodes))
 
 
@@ -217,7 +223,8 @@ class _WorkerEnvs:
           reward=float(out.reward[0]), terminated=bool(out.terminated[0]),
           truncated=bool(out.truncated[0]), success=bool(out.success[0]),
           steps=int(out.steps[0]),
-          episodes=tuple(dataclasses.replace(e, env_id=env_id) for e in out.episodes)))
+          episodes=tuple(dataclasses.replace(e, env_id=env_id) for e in out.episodes),
+          final_obs=out.final_obs if out.has_final_obs[0] else None))
     return StepDone(outcomes=tuple(outcomes), instructions=tuple(instructions),
                     finished_at=time.monotonic())
 

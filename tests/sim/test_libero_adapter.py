@@ -89,6 +89,12 @@ def test_time_limit_auto_reset_and_group_members_share_init_states():
     np.testing.assert_array_equal(r.obs.state[0], r.obs.state[1])
     np.testing.assert_array_equal(r.obs.images[0], r.obs.images[1])
     assert not np.array_equal(r.obs.images[0], obs.images[0])  # another init state
+    # The last observations before the auto-reset: env 1's arm moved, env 0's did not.
+    assert r.has_final_obs.tolist() == [True, True]
+    assert r.final_obs.images.shape == (2, 2, 32, 32, 3)
+    np.testing.assert_allclose(r.final_obs.state[0, :3], obs.state[0, :3], atol=0.02)
+    assert np.abs(r.final_obs.state[1, :3] - obs.state[1, :3]).max() > 0.02
+    assert not np.array_equal(r.final_obs.images[1], r.obs.images[1])
   finally:
     env.close()
 

@@ -45,6 +45,10 @@ def test_group_members_share_initial_states():
     assert [(e.group, e.episode) for e in r.episodes] == [(0, 0), (0, 0)]
     np.testing.assert_array_equal(r.obs.state[0], r.obs.state[1])
     assert not np.array_equal(r.obs.state[0], obs.state[0])  # A new cube and goal.
+    # The last observations before the auto-reset: each member's own (they acted apart).
+    assert r.has_final_obs.tolist() == [True, True] and r.final_obs.state.shape == (2, env.spec.state_dim)
+    assert not np.array_equal(r.final_obs.state[0], r.final_obs.state[1])
+    assert not np.array_equal(r.final_obs.state[0], r.obs.state[0])
   finally:
     env.close()
 
