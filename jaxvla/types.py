@@ -3,7 +3,8 @@
 A leaf module: it imports nothing from jaxvla, so every stage of the data path
 (rollout -> queue -> learner) can import it without importing the others.
 
-* :class:`Trajectory` ``[T, B]``: PPO's env segments (GAE needs the bootstrap).
+* :class:`Trajectory` ``[T, B]``: PPO's env segments (GAE needs the bootstrap, and
+  the final values of episodes truncated by the time limit).
 * :class:`EpisodeBatch` ``[K, E]``: GRPO's whole episodes, padded to ``K`` chunks.
 * :class:`Item`: one queue entry (either of the two, with its chunks' versions).
 * :class:`Closed`: raised by the thread primitives (queue, pacer) once closed.
@@ -39,7 +40,13 @@ class Trajectory:
     log_prob: ``[T, B]`` behaviour log-probabilities of the chains.
     value: ``[T, B]`` behaviour values.
     reward: ``[T, B]`` chunk rewards.
-    done: ``[T, B]`` episode ended in the step (terminated or truncated).
+    done: ``[T, B]`` episode ended in the step (terminated or truncated): GAE's
+      recursion is cut there.
+    terminated: ``bool [T, B]`` ... by success or failure: no future to bootstrap.
+    final_value: ``float32 [T, B]`` where an episode was truncated by its time limit,
+      the value of its last observation (its return's bootstrap; computed with
+      ``bootstrap_value``, at the segment's end); 0 elsewhere, and for an episode
+      lost to a worker fault (no final observation: not bootstrapped).
     steps: ``[T, B]`` env steps executed in the step.
     bootstrap_value: ``[B]`` value after the last step.
     policy_version: ``int32 [T, B]`` version of the parameters that produced each
@@ -51,6 +58,8 @@ class Trajectory:
   value: np.ndarray
   reward: np.ndarray
   done: np.ndarray
+  terminated: np.ndarray
+  final_value: np.ndarray
   steps: np.ndarray
   bootstrap_value: np.ndarray
   policy_version: np.ndarray
@@ -58,8 +67,8 @@ class Trajectory:
   @classmethod
   def env_axes(cls) -> "Trajectory":
     """The env axis of every field (a tree prefix of any ``Trajectory``)."""
-    return cls(batch=1, chain=1, log_prob=1, value=1, reward=1, done=1, steps=1,
-               bootstrap_value=0, policy_version=1)
+    return cls(batch=1, chain=1, log_prob=1, value=1, reward=1, done=1, terminated=1,
+               final_value=1, steps=1, bootstrap_value=0, policy_version=1)
 
   @property
   def num_env_steps(self) -> int:

@@ -133,7 +133,9 @@ def test_builder_errors():
   with pytest.raises(ValueError, match="group_size"):  # Env built with G = 1.
     builder.on_result(ids, _result(ids, [3], {3: 0}, {3: 0.0}, group_size=1))
   with pytest.raises(RuntimeError, match="no bootstrap"):
-    builder.complete(ids[:1], np.zeros(1))
+    builder.complete(ids[:1], np.zeros(1), np.zeros(0))
+  with pytest.raises(RuntimeError, match="no bootstrap"):
+    builder.final_obs(ids[:1])
   with pytest.raises(ValueError, match="env.group_size=3"):
     episodes_lib.EpisodeBuilder(NUM_ENVS, 3, max_chunks=2)
 

@@ -172,11 +172,19 @@ def _setup(num_envs=4, **overrides):
 def _reference_collect(env, pol, act, value, params, num_steps, rng, policy_version, seed):
   """The plainest lockstep loop: ``num_steps`` chunks of every env -> ``Trajectory [T, B]``."""
   obs = env.reset(seed)
-  steps, outs, results = [], [], []
+  steps, outs, results, finals = [], [], [], []
   for key in jax.random.split(rng, num_steps):
     batch = pol.prepare(obs)
     out = jax.device_get(act(params, batch, key))
     result = env.step_chunk(np.asarray(out.actions))
+    # The value of each truncated episode's last observation, at the full batch size:
+    # those observations put in their rows of the next ones.
+    last = protocol.Observation(result.obs.images.copy(), result.obs.state.copy(),
+                                result.obs.instruction.copy())
+    cut = np.flatnonzero(result.has_final_obs)
+    last.images[cut], last.state[cut] = result.final_obs.images, result.final_obs.state
+    last.instruction[cut] = result.final_obs.instruction
+    finals.append(np.where(result.has_final_obs, value(params, pol.prepare(last)), 0.0))
     steps.append(batch)
     outs.append(out)
     results.append(result)
@@ -186,7 +194,8 @@ def _reference_collect(env, pol, act, value, params, num_steps, rng, policy_vers
       batch=jax.tree.map(lambda *xs: np.stack(xs), *steps),
       chain=stack([o.chain for o in outs]), log_prob=stack([o.log_prob for o in outs]),
       value=stack([o.value for o in outs]), reward=stack([r.reward for r in results]),
-      done=stack([r.done for r in results]), steps=stack([r.steps for r in results]),
+      done=stack([r.done for r in results]), terminated=stack([r.terminated for r in results]),
+      final_value=stack(finals).astype(np.float32), steps=stack([r.steps for r in results]),
       bootstrap_value=np.asarray(value(params, pol.prepare(obs))),
       policy_version=np.full((num_steps, env.num_envs), policy_version, np.int32))
 
@@ -207,8 +216,9 @@ def test_lockstep_segments_equal_a_plain_loop():
   got = types.concat([it.data for it in items])
   want = _reference_collect(builtin.make(c.env, c.num_envs, 0), pol, act, value, params,
                             c.rollout_len, jax.random.PRNGKey(5), policy_version=7, seed=3)
-  for name in ("chain", "log_prob", "value", "reward", "done", "steps", "bootstrap_value",
-               "policy_version"):
+  assert want.final_value.any()  # Episodes were cut by the time limit: their values came.
+  for name in ("chain", "log_prob", "value", "reward", "done", "terminated", "final_value",
+               "steps", "bootstrap_value", "policy_version"):
     np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-6,
                                err_msg=name)
   jax.tree.map(np.testing.assert_array_equal, got.batch, want.batch)

@@ -5,9 +5,10 @@ that the update shuffles and splits into minibatches) and defines a weighted
 loss over a minibatch of rows; :mod:`jaxvla.learner.update` runs the epochs,
 minibatches, KL early stop and the decoupled proximal step for either.
 
-* :class:`PPOObjective`: a ``Trajectory [T, B]`` -> GAE -> ``N = T * B`` chunk
-  rows; minibatch weights ``1 / n`` (a mean); the clipped PPO loss with a value
-  term; advantages normalised per minibatch (``ppo.advantage_norm``).
+* :class:`PPOObjective`: a ``Trajectory [T, B]`` -> GAE (truncated episodes
+  bootstrapped from their final values) -> ``N = T * B`` chunk rows; minibatch
+  weights ``1 / n`` (a mean); the clipped PPO loss with a value term; advantages
+  normalised per minibatch (``ppo.advantage_norm``).
 * :class:`GRPOObjective`: an ``EpisodeBatch [K, E]`` -> ``E`` episode rows of
   ``K`` padded chunks; per-chunk weights from ``ppo.loss_normalizer``
   (:func:`jaxvla.algorithms.grpo.chunk_weights`); the same loss without a value
@@ -72,10 +73,12 @@ class PPOObjective:
   def rows(self, traj: types.Trajectory) -> dict:
     """GAE over ``traj [T, B]`` (per env column), flattened to ``N = T * B`` chunks."""
     cfg = self.cfg
-    # done = terminated | truncated: the time limit is part of the task (the
-    # objective is success within it), so a truncated episode is not bootstrapped.
+    # A time limit cuts an episode the policy could have gone on with (its
+    # observation does not show the clock): truncations bootstrap from the value of
+    # their last observation, terminations (and worker faults) from nothing.
     adv, returns = gae.compute_gae(traj.reward, traj.value, traj.done, traj.bootstrap_value,
-                                   gamma=cfg.gamma, lam=cfg.gae_lambda)
+                                   gamma=cfg.gamma, lam=cfg.gae_lambda,
+                                   terminated=traj.terminated, final_values=traj.final_value)
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
     return dict(batch=jax.tree.map(flat, traj.batch), chain=flat(traj.chain),
                 log_prob=flat(traj.log_prob), adv=flat(adv), returns=flat(returns))

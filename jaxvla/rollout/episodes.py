@@ -13,7 +13,8 @@ closes it with the env's :class:`EpisodeStats` and files it under
 starts its next episode at once (auto-reset), so finished episodes wait there
 until all ``G`` are in; the group then becomes one queue :class:`Item` holding
 an :class:`EpisodeBatch` ``[K, G]``. GRPO bootstraps nothing: ``on_result``
-never asks for values.
+never asks for values, and an episode's return is its own (a time-limit
+truncation's final observation, ``ChunkStep.final_obs``, is not used).
 
 Episodes are padded to ``K`` chunks (``K = ceil(max_episode_steps / chunk_len)``,
 :func:`max_chunks_per_episode`): padding repeats the episode's last chunk's
@@ -127,7 +128,13 @@ class EpisodeBuilder:
       self._ready.append([dict(members[j], env_id=j, group=key[0], episode=key[1])
                           for j in sorted(members)])
 
-  def complete(self, env_ids: np.ndarray, bootstrap_values: np.ndarray) -> None:
+  def final_obs(self, env_ids: np.ndarray) -> list[protocol.Observation]:
+    """Not used: GRPO bootstraps no truncated episode (``on_result`` asks for no values)."""
+    raise RuntimeError("EpisodeBuilder.final_obs: GRPO episodes take no bootstrap values "
+                       f"(asked for envs {np.asarray(env_ids).tolist()})")
+
+  def complete(self, env_ids: np.ndarray, bootstrap_values: np.ndarray,
+               final_values: np.ndarray) -> None:
     """Not used: GRPO episodes need no bootstrap values (``on_result`` asks for none)."""
     raise RuntimeError("EpisodeBuilder.complete: GRPO episodes take no bootstrap values "
                        f"(asked for envs {np.asarray(env_ids).tolist()})")

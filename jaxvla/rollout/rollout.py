@@ -10,7 +10,8 @@
 
 Every acted chunk and every result goes to a *builder*, which cuts them into
 queue items: :class:`jaxvla.rollout.segments.SegmentBuilder` (PPO segments with
-their GAE bootstrap values) or :class:`jaxvla.rollout.episodes.EpisodeBuilder`
+their GAE bootstrap values, and the values of the last observations of episodes
+truncated by the time limit) or :class:`jaxvla.rollout.episodes.EpisodeBuilder`
 (GRPO groups of whole episodes).
 
 Parameters come from a ``params_fn() -> (params, version)`` (the weight
@@ -24,6 +25,8 @@ full-size model compiles for seconds). Padded rows repeat row 0 and are cut from
 the outputs. Every bucket is compiled when first-ready stepping starts
 (:meth:`Rollout.compile_buckets`), so no compilation stalls the rollout later in
 the run (each one stalled it for seconds on CPU, measured in the benchmark).
+Lockstep acts on every env at once and so only ever compiles the full size: its
+value batches are padded to it too.
 """
 
 from __future__ import annotations
@@ -62,8 +65,14 @@ class Builder(Protocol):
   def on_result(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> np.ndarray:
     """Completes the chunks of ``env_ids``; returns the rows that need a bootstrap value."""
 
-  def complete(self, env_ids: np.ndarray, bootstrap_values: np.ndarray) -> None:
-    """Closes the segments of ``env_ids`` with their bootstrap values ``[b]``."""
+  def final_obs(self, env_ids: np.ndarray) -> list[protocol.Observation]:
+    """The last observations of the truncated episodes in the segments of ``env_ids``
+    (rows :meth:`on_result` returned), whose values :meth:`complete` takes."""
+
+  def complete(self, env_ids: np.ndarray, bootstrap_values: np.ndarray,
+               final_values: np.ndarray) -> None:
+    """Closes the segments of ``env_ids`` with their bootstrap values ``[b]`` and the
+    values ``[k]`` of their :meth:`final_obs`."""
 
   def pop_items(self) -> list[types.Item]:
     """The queue items completed so far (each returned once)."""
@@ -185,7 +194,7 @@ class Rollout:
       batch = self.policy.prepare(obs)
       key = jax.random.fold_in(self.rng, self.num_acts)
       n = len(env_ids)
-      padded = pad_rows(batch, bucket_size(n, self.env.num_envs))
+      padded = pad_rows(batch, self._padded_size(n))
       out = jax.tree.map(lambda x: x[:n], jax.device_get(self.act_fn(params, padded, key)))
     self.num_acts += 1
     self.builder.on_act(env_ids, batch, out, got)
@@ -210,17 +219,40 @@ class Rollout:
     return admitted, version
 
   def _finish(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> None:
-    """Hands ``result`` to the builder; values the observations that close a segment."""
+    """Hands ``result`` to the builder; values the observations that close a segment
+    (after it: the bootstrap; inside it: the last ones of time-limit truncations)."""
     self.episodes.add(result.episodes)
     self.produced = (self.produced[0] + int(result.steps.sum()), self.produced[1] + len(env_ids))
     full = self.builder.on_result(env_ids, result)
     if full.size:
-      params, _ = self.params_fn()
-      with self.clock.busy("inference"):
-        batch = self.policy.prepare(result.obs.take(full))
-        padded = pad_rows(batch, bucket_size(full.size, self.env.num_envs))
-        values = np.asarray(jax.device_get(self.value_fn(params, padded)))[:full.size]
-      self.builder.complete(env_ids[full], values)
+      finals = self.builder.final_obs(env_ids[full])
+      values = self._values(protocol.concat_observations([result.obs.take(full), *finals]))
+      self.builder.complete(env_ids[full], values[:full.size], values[full.size:])
+
+  def _values(self, obs: protocol.Observation) -> np.ndarray:
+    """``value_fn`` of ``obs`` ``[n]`` -> ``[n]``, in batches of compiled sizes.
+
+    ``n`` may exceed the env count (bootstraps and final observations together):
+    the rows go in pieces of at most ``num_envs``, each padded to its size.
+    """
+    params, _ = self.params_fn()
+    limit, n = self.env.num_envs, obs.batch_size
+    starts = range(0, n, limit)
+    with self.clock.busy("inference"):
+      batch = self.policy.prepare(obs)
+      sizes = [min(limit, n - start) for start in starts]
+      out = jax.device_get([
+          self.value_fn(params, pad_rows(rows(batch, slice(start, start + size)),
+                                         self._padded_size(size)))
+          for start, size in zip(starts, sizes)])  # Every piece dispatched, then one wait.
+    return np.concatenate([np.asarray(v)[:size] for v, size in zip(out, sizes)])
+
+  def _padded_size(self, n: int) -> int:
+    """The compiled batch size ``n`` rows are padded to: their bucket first-ready (every
+    bucket is compiled up front), the env count in lockstep (the one size it compiles)."""
+    if self.first_ready is None:
+      return self.env.num_envs
+    return bucket_size(n, self.env.num_envs)
 
   def compile_buckets(self, obs: protocol.Observation) -> None:
     """Compiles ``act`` and ``value`` for every bucket size, before they are needed.

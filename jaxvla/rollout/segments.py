@@ -2,14 +2,22 @@
 
 :class:`SegmentBuilder` keeps, per env, the chunks of its current segment (policy
 inputs, sampler chain, behaviour log-prob and value, the policy version that
-acted, then reward / done / executed steps when the chunk's result arrives). When
-an env has ``T`` finished chunks its segment is complete; with the value of the
-observation after it (the GAE bootstrap) it becomes one column of a
-``Trajectory [T, M]``, and ``M`` columns make one queue :class:`Item`.
+acted, then reward / done / terminated / executed steps when the chunk's result
+arrives, and the last observation of an episode the chunk truncated at its time
+limit). When an env has ``T`` finished chunks its segment is complete; with the
+value of the observation after it (the GAE bootstrap) and the values of its
+truncated episodes' last observations (their ``final_value``) it becomes one
+column of a ``Trajectory [T, M]``, and ``M`` columns make one queue :class:`Item`.
+
+The final observations are valued when their segment completes, together with
+its bootstrap observation (one inference batch for both, with the same params),
+not at each truncation: a lockstep rollout would otherwise run an extra,
+full-size value batch at almost every chunk while episodes end by time limit.
 
 It implements the builder interface :class:`jaxvla.rollout.rollout.Rollout`
-drives (``starts``, ``on_act``, ``on_result``, ``complete``, ``pop_items``,
-``in_flight``); :class:`jaxvla.rollout.episodes.EpisodeBuilder` is GRPO's.
+drives (``starts``, ``on_act``, ``on_result``, ``final_obs``, ``complete``,
+``pop_items``, ``in_flight``); :class:`jaxvla.rollout.episodes.EpisodeBuilder`
+is GRPO's.
 """
 
 from __future__ import annotations
@@ -61,25 +69,49 @@ class SegmentBuilder:
   def on_result(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> np.ndarray:
     """Completes the chunks of ``env_ids``; returns the rows whose segment is full."""
     full = []
+    final_at = np.cumsum(result.has_final_obs) - 1  # [b] row's index in result.final_obs.
     for row, i in enumerate(env_ids):
       chunks = self._open[i]
       if not chunks or "reward" in chunks[-1]:
         raise RuntimeError(f"env {i}: a result arrived with no chunk acted on")
+      # final_value stays 0 unless an episode was truncated with a final observation.
       chunks[-1].update(reward=result.reward[row], done=result.done[row],
+                        terminated=result.terminated[row], final_value=np.float32(0),
                         steps=result.steps[row])
+      if result.has_final_obs[row]:  # Valued with the segment's bootstrap (complete).
+        chunks[-1]["final_obs"] = result.final_obs.take(final_at[row:row + 1])
       if len(chunks) == self.segment_len:
         full.append(row)
     return np.asarray(full, np.int64)
 
-  def complete(self, env_ids: np.ndarray, bootstrap_values: np.ndarray) -> None:
-    """Closes the full segments of ``env_ids`` with their bootstrap values ``[b]``."""
-    for i, v in zip(env_ids, bootstrap_values):
-      chunks = self._open[i]
-      if len(chunks) != self.segment_len or "reward" not in chunks[-1]:
-        raise RuntimeError(f"env {i}: segment is not complete ({len(chunks)} chunks)")
+  def final_obs(self, env_ids: np.ndarray) -> list[protocol.Observation]:
+    """The last observations (batches of one) of the episodes truncated in the full
+    segments of ``env_ids`` ``[f]``, segment by segment, in chunk order."""
+    return [c["final_obs"] for i in env_ids for c in self._full(i) if "final_obs" in c]
+
+  def complete(self, env_ids: np.ndarray, bootstrap_values: np.ndarray,
+               final_values: np.ndarray) -> None:
+    """Closes the full segments of ``env_ids`` ``[f]`` with their bootstrap values
+    ``[f]`` and the values ``[k]`` of their :meth:`final_obs` (in its order)."""
+    segments = [self._full(i) for i in env_ids]
+    finals = [c for chunks in segments for c in chunks if "final_obs" in c]
+    if len(finals) != len(final_values):
+      raise RuntimeError(f"complete: {len(final_values)} final values for the {len(finals)} "
+                         f"final observations of envs {np.asarray(env_ids).tolist()}")
+    for c, v in zip(finals, final_values):
+      del c["final_obs"]
+      c["final_value"] = np.float32(v)
+    for i, chunks, v in zip(env_ids, segments, bootstrap_values):
       self._done_segments.append(
           types.Trajectory(bootstrap_value=np.float32(v), **stack_time(chunks)))
       self._open[i] = []
+
+  def _full(self, i: int) -> list[dict]:
+    """Env ``i``'s full segment (every chunk's result in)."""
+    chunks = self._open[i]
+    if len(chunks) != self.segment_len or "reward" not in chunks[-1]:
+      raise RuntimeError(f"env {i}: segment is not complete ({len(chunks)} chunks)")
+    return chunks
 
   def pop_items(self) -> list[types.Item]:
     """Items of ``M`` complete segments each, in completion order (the rest wait)."""
