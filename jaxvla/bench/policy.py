@@ -346,11 +346,12 @@ def measure_learner(model: str, variant: str, dtype: str, remat: bool, params, n
   chain = jax.eval_shape(lambda p, b, r: policy.act(p, b, r, _ACT_MODE.value), params, batch,
                          rng).chain
   traj = jax.device_put(make_trajectory(batch, chain, _SEED.value))
-  batch, actions = jax.device_put((batch, actions))
+  mask = np.ones(actions.shape[:2], bool)  # Every action of every chunk is real.
+  batch, actions, mask = jax.device_put((batch, actions, mask))
   state = learner_lib.init_state(params, lrn.bc_tx, rng)  # donated by the steps below
   del params
   rows = []
-  for op, step, data in (("bc_step", lrn.bc_step_jit, (batch, actions)),
+  for op, step, data in (("bc_step", lrn.bc_step_jit, (batch, actions, mask)),
                          ("ppo_minibatch", lrn.update_jit, (traj,))):
     flops, executed = learner_flops(model, variant, dtype, k, op, remat, _abstract(state),
                                     *_abstract(data))
