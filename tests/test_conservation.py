@@ -100,19 +100,25 @@ def _start(workdir: str, log_path, total_env_steps: int, resume: bool) -> subpro
 
 
 def _latest_step(ckpt_dir: str) -> int | None:
-  if not os.path.isdir(ckpt_dir):
-    return None
-  ckpt = checkpoint_lib.Checkpointer(ckpt_dir, 3)
+  """The newest committed step in a live run's checkpoint directory (a listing: a
+  CheckpointManager there would race the run's own rotation of old steps)."""
   try:
-    return ckpt.latest_step()
-  finally:
-    ckpt.close()
+    names = os.listdir(ckpt_dir)
+  except FileNotFoundError:
+    return None
+  steps = [int(n) for n in names
+           if n.isdigit() and os.path.exists(os.path.join(ckpt_dir, n, "_CHECKPOINT_METADATA"))]
+  return max(steps, default=None)
 
 
-def _in_flight_at(ckpt_dir: str, step: int) -> int:
-  """Env steps in flight when checkpoint ``step`` was written (its ``meta`` JSON)."""
-  with open(os.path.join(ckpt_dir, str(step), "meta", "metadata")) as f:
-    return ledger_lib.Ledger.from_meta(json.load(f)["ledger"]).in_flight("env_steps")
+def _in_flight_at(ckpt_dir: str, step: int | None) -> int:
+  """Env steps in flight when checkpoint ``step`` was written (its ``meta`` JSON; 0 if
+  there is none yet)."""
+  try:
+    with open(os.path.join(ckpt_dir, str(step), "meta", "metadata")) as f:
+      return ledger_lib.Ledger.from_meta(json.load(f)["ledger"]).in_flight("env_steps")
+  except FileNotFoundError:
+    return 0
 
 
 def _records(workdir: str, phase: str, name: str = "metrics.jsonl") -> list[dict]:
