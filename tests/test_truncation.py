@@ -159,11 +159,15 @@ def _check_final_values(items) -> None:
       counts["terminated"] += bool(traj.terminated[t, 0])
     # The learner's GAE: a truncated chunk's return is its reward plus gamma times the
     # final value (the recursion is cut there, whatever lambda).
-    cfg = ml_collections.ConfigDict(dict(gamma=0.9, gae_lambda=0.5))
+    cfg = ml_collections.ConfigDict(dict(gamma=0.9, gae_lambda=0.5, bootstrap_truncated=True))
     returns = np.asarray(objectives.PPOObjective(None, cfg).rows(traj)["returns"])
     cut = traj.done[:, 0] & ~traj.terminated[:, 0]
     np.testing.assert_allclose(returns[cut], (traj.reward + 0.9 * traj.final_value)[cut, 0],
                                rtol=1e-6)
+    # ppo.bootstrap_truncated off (the time limit is part of the task): every end is terminal.
+    cfg.bootstrap_truncated = False
+    plain = np.asarray(objectives.PPOObjective(None, cfg).rows(traj)["returns"])
+    np.testing.assert_allclose(plain[cut], traj.reward[cut, 0], rtol=1e-6)
   # Truncations inside segments and at their last chunk, and terminations, all seen.
   assert counts["truncated"] > counts["truncated_last"] > 0 and counts["terminated"] > 0, counts
 

@@ -73,12 +73,15 @@ class PPOObjective:
   def rows(self, traj: types.Trajectory) -> dict:
     """GAE over ``traj [T, B]`` (per env column), flattened to ``N = T * B`` chunks."""
     cfg = self.cfg
-    # A time limit cuts an episode the policy could have gone on with (its
-    # observation does not show the clock): truncations bootstrap from the value of
-    # their last observation, terminations (and worker faults) from nothing.
+    # ppo.bootstrap_truncated: a time limit that only schedules resets cuts an episode
+    # the policy could have gone on with, so truncations bootstrap from the value of
+    # their last observation (terminations and worker faults from nothing). Where the
+    # limit is part of the task (reach the goal in time, a sparse success reward), a
+    # time-out is a failure: every episode end is terminal.
+    truncation = (dict(terminated=traj.terminated, final_values=traj.final_value)
+                  if cfg.get("bootstrap_truncated", False) else {})
     adv, returns = gae.compute_gae(traj.reward, traj.value, traj.done, traj.bootstrap_value,
-                                   gamma=cfg.gamma, lam=cfg.gae_lambda,
-                                   terminated=traj.terminated, final_values=traj.final_value)
+                                   gamma=cfg.gamma, lam=cfg.gae_lambda, **truncation)
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
     return dict(batch=jax.tree.map(flat, traj.batch), chain=flat(traj.chain),
                 log_prob=flat(traj.log_prob), adv=flat(adv), returns=flat(returns))
