@@ -128,29 +128,31 @@ def _check_mode(mode: str, stats: NormStats) -> None:
     raise ValueError("quantile normalisation needs q01 and q99 statistics")
 
 
+def _affine(x: np.ndarray, stats: NormStats, mode: str) -> tuple[int, np.ndarray, np.ndarray]:
+  """``(d, offset [d], scale [d])`` with ``normalized = (x - offset) / scale`` on the first
+  ``d = min(D', D)`` dims: z-score ``(mean, std)``; quantile maps ``[q01, q99]`` to
+  ``[-1, 1]``, i.e. ``(q01 + half range, half range)`` (openpi's formulas)."""
+  _check_mode(mode, stats)
+  d = min(x.shape[-1], stats.mean.shape[-1])
+  if mode == "zscore":
+    return d, stats.mean[:d], stats.std[:d] + _EPS
+  half = (stats.q99[:d] - stats.q01[:d] + _EPS) / 2.0
+  return d, stats.q01[:d] + half, half
+
+
 def normalize(x: np.ndarray, stats: NormStats, mode: str = "zscore") -> np.ndarray:
   """``x`` ``[..., D']`` normalised with the first ``min(D', D)`` dims of ``stats`` (openpi's)."""
-  _check_mode(mode, stats)
   x = np.asarray(x)
-  d = min(x.shape[-1], stats.mean.shape[-1])
-  head = x[..., :d]
-  if mode == "zscore":
-    head = (head - stats.mean[:d]) / (stats.std[:d] + _EPS)
-  else:
-    head = (head - stats.q01[:d]) / (stats.q99[:d] - stats.q01[:d] + _EPS) * 2.0 - 1.0
+  d, offset, scale = _affine(x, stats, mode)
+  head = (x[..., :d] - offset) / scale
   return np.concatenate([head, x[..., d:]], axis=-1).astype(x.dtype, copy=False)
 
 
 def unnormalize(x: np.ndarray, stats: NormStats, mode: str = "zscore") -> np.ndarray:
   """The inverse of :func:`normalize` (dims past the statistics pass through, as in openpi)."""
-  _check_mode(mode, stats)
   x = np.asarray(x)
-  d = min(x.shape[-1], stats.mean.shape[-1])
-  head = x[..., :d]
-  if mode == "zscore":
-    head = head * (stats.std[:d] + _EPS) + stats.mean[:d]
-  else:
-    head = (head + 1.0) / 2.0 * (stats.q99[:d] - stats.q01[:d] + _EPS) + stats.q01[:d]
+  d, offset, scale = _affine(x, stats, mode)
+  head = x[..., :d] * scale + offset
   return np.concatenate([head, x[..., d:]], axis=-1).astype(x.dtype, copy=False)
 
 
