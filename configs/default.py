@@ -85,6 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.bc = ml_collections.ConfigDict()
   c.bc.num_episodes = 3000  # Scripted-expert episodes collected for the warm start.
   c.bc.demo_noise = 0.3  # Gaussian noise added to the expert's executed actions.
+  c.bc.success_only = False  # Record only the demonstrator's successful episodes.
   c.bc.expert_speed = 0.4  # Demonstrator speed (fraction of max): cautious, like teleoperation.
   c.bc.num_steps = 3500  # Gradient steps of the warm start (0: start RL from scratch).
   c.bc.batch_size = 64  # Warm-start batch size (chunks).

@@ -1,8 +1,18 @@
-"""PPO on a ManiSkill3 task with the CPU simulator: ``--config=configs/maniskill.py[:state]``.
+"""ManiSkill3 tasks on the CPU simulator: ``--config=configs/maniskill.py[:VARIANT]``.
 
-Variants: (none) RGB observations; ``state`` no camera (state only). Pick the
-task with ``--config.env.task=StackCube-v1``. No scripted expert exists for these
-tasks, so RL starts from the initial (or a loaded) policy: ``bc.num_steps = 0``.
+Variants:
+  (none)  PPO from the initial (or a loaded) policy, RGB observations; no warm start.
+  state   the same with state observations only (no camera).
+  sft_rl  the SFT -> RL recipe: ManiSkill3's motion planner records a few successful
+          demonstrations (``jaxvla.data.collect``'s planner demonstrator), the policy is
+          behaviour-cloned on them (state and actions z-scored with the dataset's
+          statistics), then PPO raises its success rate. State observations: the CPU
+          simulator renders a 64 px camera ~20x slower than it steps (docs/envs.md), and
+          the task's state (joint positions and velocities, TCP, cube and goal poses) holds
+          what the camera would show.
+
+Pick the task with ``--config.env.task=StackCube-v1`` (tasks with a planner solution:
+PickCube, PushCube, StackCube, PullCube, LiftPegUpright, PlaceSphere, PegInsertionSide).
 Everything not set here is ``configs/default.py``.
 """
 
@@ -10,11 +20,14 @@ import ml_collections
 
 from configs import default
 
+VARIANTS = ("", "state", "sft_rl")
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   variant = arg or ""
-  if variant not in ("", "state"):
-    raise ValueError(f"unknown variant {variant!r} of configs/maniskill.py; choose 'state'")
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown variant {variant!r} of configs/maniskill.py; choose one of "
+                     f"{[v for v in VARIANTS if v]}")
   c = default.get_config()
   c.total_env_steps = 20_000  # Budget: RL env steps of the whole run.
   c.num_envs = 4  # ManiSkill CPU instances.
@@ -23,18 +36,38 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env = ml_collections.ConfigDict()
   c.env.name = "maniskill"  # Environment: ManiSkill3, CPU simulator.
   c.env.task = "PickCube-v1"  # ManiSkill3 env id (offline tasks only, see envs/maniskill.py).
-  c.env.obs_mode = "state" if variant == "state" else "rgb"  # 'rgb' or 'state'.
-  c.env.control_mode = "pd_joint_delta_pos"  # 'pd_joint_delta_pos' or 'pd_ee_delta_pose'.
+  c.env.obs_mode = "rgb" if variant == "" else "state"  # 'rgb' or 'state'.
+  # 'pd_joint_delta_pos', 'pd_ee_delta_pose' or 'pd_joint_pos' (absolute joint targets).
+  c.env.control_mode = "pd_joint_delta_pos"
   c.env.image_size = 64  # Camera width and height (rgb).
   c.env.max_episode_steps = 50  # Time limit in env steps.
   c.env.reward_mode = "sparse"  # ManiSkill reward mode; 'sparse' is 1 on success.
   c.env.group_size = 1  # GRPO groups: envs i // G share each episode's init (1: no groups).
-  c.model.image_size = 8 if variant == "state" else 0  # state: the 1x1 placeholder image -> one 8 px patch.
+  # state: the 1x1 placeholder image -> one 8 px patch.
+  c.model.image_size = 0 if c.env.obs_mode == "rgb" else 8
   c.model.chunk_len = 5  # Actions per chunk (ManiSkill default in the literature).
   c.pipeline.micro_batch_segments = 2  # Env segments per queue item (divides num_envs).
-  c.bc.num_steps = 0  # No scripted expert for ManiSkill tasks.
+  c.bc.num_steps = 0  # No warm start (sft_rl: planner demonstrations).
   c.ppo.num_minibatches = 2  # Minibatches per pass (num_envs * rollout_len = 32 chunks).
   c.eval.num_episodes = 4  # Evaluation episodes (each a full episode on CPU).
   c.eval.every_iters = 5  # Evaluate every N iterations.
   c.checkpoint.every_iters = 5  # Save every N iterations.
+  if variant == "sft_rl":
+    c.total_env_steps = 150_000
+    c.num_envs = 16
+    c.env_workers = 2  # Two cores: one worker process per core, 8 instances each.
+    c.rollout_len = 10
+    c.env.max_episode_steps = 100  # The planner takes 46-81 steps (about 70 on average).
+    c.bc.num_episodes = 20  # Few demonstrations: the SFT policy is clearly imperfect.
+    c.bc.success_only = True  # Record the planner's successful episodes only.
+    c.bc.demo_noise = 0.0  # (the planner executes its own path)
+    c.bc.num_steps = 2000
+    c.bc.batch_size = 64
+    c.data.stride = 1  # Every step of the planner's path starts a sample.
+    c.data.normalize = "zscore"
+    c.pipeline.micro_batch_segments = 8
+    c.ppo.num_minibatches = 4  # 16 envs * 10 chunks = 160 chunks: 40 per minibatch.
+    c.eval.num_episodes = 100  # Fixed-seed evaluation episodes (disjoint from the demos').
+    c.eval.every_iters = 20
+    c.checkpoint.every_iters = 10
   return c

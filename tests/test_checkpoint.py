@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxvla import checkpoint as checkpoint_lib, train
+from jaxvla.data import norm_stats
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
@@ -67,8 +68,13 @@ def _records(workdir, phase):
 def test_resume_continues_run(tmp_path, smoke_config):
   workdir = str(tmp_path / "run")
   smoke_config.total_env_steps = 600
+  smoke_config.data.normalize = "zscore"  # Statistics of the recorded demonstrations.
   first = train.train_and_evaluate(smoke_config, workdir)
   assert first["env_steps"] >= 600
+  # The normalisation travels with the policy: in the checkpoints and the export.
+  normalizer = norm_stats.load_normalizer(first["export_dir"])
+  assert normalizer.mode == "zscore"
+  assert norm_stats.load(first["export_dir"])["state"].mean.shape == (2,)
   # The latest checkpoint holds the final params and optimizer state.
   env = builtin.make(smoke_config.env, 2, 0)
   pol = policy_lib.make_policy(smoke_config.model, env.spec)
@@ -81,6 +87,7 @@ def test_resume_continues_run(tmp_path, smoke_config):
   exported, _ = checkpoint_lib.load_policy_params(first["export_dir"], pol.abstract_params())
   _tree_equal(saved.params, exported)
   assert meta["iteration"] == first["iterations"] and int(saved.step) == first["policy_version"]
+  assert meta["normalizer"] == normalizer.to_json()
 
   with pytest.raises(FileExistsError, match="resume"):
     train.train_and_evaluate(smoke_config, workdir)
@@ -102,6 +109,8 @@ def test_resume_continues_run(tmp_path, smoke_config):
   assert len(_records(workdir, "warm_start")) == 1  # no second warm start
   steps = [r["env_steps"] for r in _records(workdir, "train")]
   assert steps == sorted(steps) and steps[-1] == second["env_steps"]
+  # The resumed run acted with the checkpoint's normalisation and exported it again.
+  assert norm_stats.load_normalizer(second["export_dir"]).to_json() == normalizer.to_json()
 
 
 def _two_steps(tmp_path, config):

@@ -27,6 +27,7 @@ from jaxvla import config_checks
 from jaxvla.data import config as data_config
 from jaxvla.data import norm_stats, pipeline, rlds
 from jaxvla.data.episodes import DataError
+from jaxvla.envs import normalized, protocol
 from jaxvla.models import policy as policy_lib
 from tests.conftest import ROOT
 
@@ -644,3 +645,153 @@ def test_expert_labels_are_its_clean_open_loop_plan():
   # The executed (noisy) path left the planned one: the later states differ from the plan's.
   planned_pos = first.state[0] + c.env.max_speed * np.cumsum(plan, axis=0)
   assert not np.allclose(first.state[1:h], planned_pos[:h - 1], atol=1e-3)
+
+
+# ------------------------------------------------------- normalisation in a run --
+def _stats() -> dict[str, norm_stats.NormStats]:
+  """State with a constant second dim (as a fixed joint or an unused goal field gives)."""
+  return {"state": norm_stats.NormStats(mean=np.array([1.0, 5.0]), std=np.array([2.0, 0.0]),
+                                        q01=np.array([-3.0, 5.0]), q99=np.array([5.0, 5.0])),
+          "actions": norm_stats.NormStats(mean=np.array([0.5, -0.5]), std=np.array([0.25, 0.5]),
+                                          q01=np.array([0.0, -1.0]), q99=np.array([1.0, 0.0]))}
+
+
+@pytest.mark.parametrize("mode", norm_stats.MODES)
+def test_normalizer_maps_state_and_actions_and_round_trips(mode, tmp_path):
+  n = norm_stats.Normalizer(_stats(), mode)
+  state = np.array([[3.0, 5.001]])
+  z = n.state(state)
+  # The varying dim is openpi's formula; the constant one only centred (not x 1e6).
+  first = 2.0 / 2.000001 if mode == "zscore" else 6.0 / 8.000001 * 2 - 1
+  np.testing.assert_allclose(z, [[first, 0.001]], rtol=1e-6, atol=1e-6)
+  actions = np.array([[[0.75, -1.0], [0.25, 0.0]]])  # [B, H, A]
+  labels = n.action_labels(actions)
+  np.testing.assert_allclose(n.actions(labels), actions, atol=1e-9)
+  if mode == "zscore":
+    np.testing.assert_allclose(labels[0, 0], [0.25 / 0.250001, -0.5 / 0.500001])
+  # Stored as JSON (checkpoint metadata, the export's norm_stats.json) and read back.
+  back = norm_stats.Normalizer.from_json(json.loads(json.dumps(n.to_json())))
+  assert back.mode == mode
+  np.testing.assert_array_equal(back.state(state), z)
+  norm_stats.save_normalizer(str(tmp_path), n)
+  body = json.load(open(tmp_path / norm_stats.FILE_NAME))
+  assert set(body["norm_stats"]) == {"state", "actions"}  # openpi's file, plus "mode"
+  assert norm_stats.load(str(tmp_path))["actions"].std.tolist() == [0.25, 0.5]
+  np.testing.assert_array_equal(norm_stats.load_normalizer(str(tmp_path)).actions(labels),
+                                n.actions(labels))
+  norm_stats.save_normalizer(str(tmp_path), None)  # a run without one leaves no stale file
+  assert norm_stats.load_normalizer(str(tmp_path)) is None
+
+
+def test_bad_normalizers_name_what_is_missing(tmp_path):
+  with pytest.raises(ValueError, match="no 'actions' entry"):
+    norm_stats.Normalizer({"state": _stats()["state"]}, "zscore")
+  with pytest.raises(ValueError, match="checkpoint 7: expected"):
+    norm_stats.Normalizer.from_json({"norm_stats": {}}, "checkpoint 7")
+  c = default.get_config()
+  c.data.normalize = "zscore"  # with neither statistics nor a dataset to compute them from
+  with pytest.raises(ValueError, match="config.data.normalize='zscore' needs statistics"):
+    pipeline.normalizer_from_config(c.data)
+  c.data.normalize = "minmax"
+  with pytest.raises(ValueError, match="config.data.normalize"):
+    config_checks.validate(c)
+
+
+def test_bc_batches_normalise_state_and_labels(datasets):
+  d = _configs(datasets)["v3"]
+  reader = pipeline.open_reader(d)
+  d.normalize = "quantile"
+  n = pipeline.normalizer_from_config(d, reader)
+  np.testing.assert_allclose(n.stats["state"].q99, np.quantile(_all("state"), 0.99, axis=0),
+                             rtol=1e-6)
+  ds, _ = pipeline.from_config(d, chunk_len=4, batch_size=3, seed=0)
+  raw = next(iter(ds))
+  seen = []
+  _, actions, mask = next(pipeline.bc_batches(iter([raw]), lambda obs: seen.append(obs) or {},
+                                              n))
+  np.testing.assert_allclose(seen[0].state, n.state(raw["state"]))
+  np.testing.assert_allclose(actions, n.action_labels(raw["actions"]))
+  np.testing.assert_array_equal(mask, raw["action_mask"])
+
+
+class _RecordingEnv:
+  """An AsyncVecEnv (by its members) that records the actions it is given."""
+  num_envs, group_size, num_workers, stats = 2, 1, 1, None
+
+  def __init__(self):
+    self.spec = protocol.EnvSpec(camera_names=("c",), image_shape=(1, 1, 3), state_dim=2,
+                                 action_dim=2, max_episode_steps=5)
+    self.sent = []
+
+  def _obs(self, b):
+    return protocol.Observation(images=np.zeros((b, 1, 1, 1, 3), np.uint8),
+                                state=np.tile([[3.0, 5.0]], (b, 1)).astype(np.float32),
+                                instruction=np.array(["x"] * b, dtype=object))
+
+  def group_ids(self):
+    return np.arange(2)
+
+  def reset(self, seed):  # (as the env pool's: no first_episode)
+    return self._obs(2)
+
+  def _result(self, b):
+    final = protocol.Observation(images=np.zeros((1, 1, 1, 1, 3), np.uint8),
+                                  state=np.array([[1.0, 5.0]], np.float32),
+                                  instruction=np.array(["x"], dtype=object))
+    return protocol.ChunkStep(obs=self._obs(b), reward=np.zeros(b), terminated=np.zeros(b, bool),
+                              truncated=np.arange(b) == 0, success=np.zeros(b, bool),
+                              steps=np.ones(b, np.int64), episodes=[],
+                              has_final_obs=np.arange(b) == 0, final_obs=final)
+
+  def step_chunk(self, actions):
+    self.sent.append(actions)
+    return self._result(len(actions))
+
+  def send(self, actions, env_ids):
+    self.sent.append(actions)
+
+  def recv(self, b_max, t_max_s):
+    return np.array([1]), self._result(1)
+
+  def close(self):
+    pass
+
+
+def test_normalized_env_feeds_normalised_state_and_unnormalises_actions():
+  n = norm_stats.Normalizer(_stats(), "zscore")
+  raw = _RecordingEnv()
+  env = normalized.wrap(raw, n)
+  assert isinstance(env, protocol.AsyncVecEnv) and env.spec is raw.spec
+  assert normalized.wrap(raw, None) is raw
+  np.testing.assert_allclose(env.reset(0).state, n.state(np.array([[3.0, 5.0]] * 2)))
+  policy_actions = np.array([[[0.0, 0.0], [1.0, -1.0]]] * 2)
+  result = env.step_chunk(policy_actions)
+  np.testing.assert_allclose(raw.sent[-1], n.actions(policy_actions))  # the env's space
+  np.testing.assert_allclose(raw.sent[-1][0, 0], [0.5, -0.5])  # 0 is the data's mean action
+  np.testing.assert_allclose(result.obs.state, n.state(np.array([[3.0, 5.0]] * 2)))
+  np.testing.assert_allclose(result.final_obs.state, [[0.0, 0.0]])  # (1 - 1) / 2, 5 - 5
+  env.send(policy_actions[:1], np.array([0]))
+  np.testing.assert_allclose(raw.sent[-1], n.actions(policy_actions[:1]))
+  ids, result = env.recv(2, 0.0)
+  assert ids.tolist() == [1] and result.obs.batch_size == 1
+  np.testing.assert_allclose(result.obs.state, n.state(np.array([[3.0, 5.0]])))
+
+
+def test_collect_success_only_records_successes_and_fails_when_too_few(tmp_path):
+  from jaxvla.data import collect  # pylint: disable=import-outside-toplevel
+  c = default.get_config()
+  c.env.image_size = 16
+  c.env.max_episode_steps = 12  # Short: the noisy, cautious expert fails some episodes.
+  out = str(tmp_path / "demos")
+  summary = collect.collect(c, out, 6, noise=0.5, num_envs=4, success_only=True)
+  assert summary["episodes"] == 6 and summary["attempted"] > 6, summary
+  assert 0.0 < summary["success_rate"] < 1.0
+  d = c.data
+  d.path = out
+  ds = tfds.builder_from_directory(out).as_data_source(split="train")
+  assert len(ds) == 6 and all(bool(ds[i]["episode_metadata"]["success"]) for i in range(6))
+  assert pipeline.open_reader(d).table.num_episodes == 6
+  c.env.max_episode_steps = 1  # nothing can succeed
+  with pytest.raises(ValueError, match=r"--success_only: only 0 of 8 attempted episodes"):
+    collect.collect(c, str(tmp_path / "none"), 2, noise=0.0, num_envs=2, success_only=True)
+  assert not os.path.exists(tmp_path / "none")

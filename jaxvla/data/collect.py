@@ -11,7 +11,10 @@ config's ``data`` block reads it back with ``--config.data.path=DIR``.
 
 Demonstrators: an env with a scripted expert (``expert_chunk``, e.g. ColorReach)
 gets :class:`ExpertDemonstrator`. Others plug in through :data:`DEMONSTRATORS`
-(env name -> factory), the hook for ManiSkill3's motion-planning solutions.
+(env name -> factory): ManiSkill3's motion-planning solutions
+(:mod:`jaxvla.data.maniskill_planner`). ``--success_only`` records only the
+episodes that succeed (as ManiSkill's ``--only-count-success``), attempting up to
+:data:`MAX_ATTEMPTS_PER_EPISODE` times as many.
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ class Demonstrator(Protocol):
   spec: protocol.EnvSpec
 
   def episodes(self, num_episodes: int) -> Iterator[Episode]:
-    """Yields ``num_episodes`` episodes as they finish."""
+    """Yields (up to) ``num_episodes`` episodes as they finish."""
+
+  def report(self) -> dict:
+    """Demonstrator-specific figures for the collection summary (may be empty)."""
 
   def close(self) -> None:
     """Releases the simulators."""
@@ -131,6 +137,9 @@ class ExpertDemonstrator:
             buffers[i], started = [], started + 1
       obs = result.obs
 
+  def report(self) -> dict:
+    return {}
+
   def close(self) -> None:
     self.env.close()
 
@@ -153,7 +162,14 @@ def expert_demonstrator(config: ml_collections.ConfigDict, num_envs: int, *,
 
 # config.env.name -> factory (config, num_envs, noise=) -> Demonstrator, for envs whose
 # demonstrations come from elsewhere than an ``expert_chunk`` (ManiSkill3's motion planner).
-DEMONSTRATORS: dict[str, Callable[..., Demonstrator]] = {}
+def _maniskill_planner(config: ml_collections.ConfigDict, num_envs: int, *,
+                       noise: float) -> Demonstrator:
+  from jaxvla.data import maniskill_planner  # pylint: disable=import-outside-toplevel
+  return maniskill_planner.make(config, num_envs, noise=noise)
+
+
+DEMONSTRATORS: dict[str, Callable[..., Demonstrator]] = {"maniskill": _maniskill_planner}
+MAX_ATTEMPTS_PER_EPISODE = 4  # success_only: attempts per episode asked for, at most.
 
 
 def make_demonstrator(config: ml_collections.ConfigDict, num_envs: int, *,
@@ -179,40 +195,61 @@ def rlds_example(episode: Episode, cameras: tuple[str, ...]) -> dict:
 
 
 def collect(config: ml_collections.ConfigDict, out: str, num_episodes: int, *,
-            noise: float = 0.0, num_envs: int = 0, max_episodes_per_shard: int = 1000) -> dict:
+            noise: float = 0.0, num_envs: int = 0, max_episodes_per_shard: int = 1000,
+            success_only: bool = False) -> dict:
   """Records ``num_episodes`` demonstrations of ``config.env`` into the RLDS dataset ``out``.
 
   Args:
     num_envs: envs stepped together (0: ``min(config.num_envs, num_episodes)``).
+    success_only: record only successful episodes, attempting at most
+      ``MAX_ATTEMPTS_PER_EPISODE * num_episodes``.
 
   Returns:
-    a summary: ``out``, ``episodes``, ``steps``, ``success_rate``, ``wall_s``.
+    a summary: ``out``, ``episodes`` (recorded), ``attempted``, ``steps``,
+    ``success_rate`` (over the attempted episodes), ``wall_s`` and the
+    demonstrator's own figures.
+
+  Raises:
+    ValueError: ``success_only`` and too few of the attempts succeeded (no dataset
+      is left at ``out``).
   """
   if num_episodes < 1:
     raise ValueError(f"--episodes must be >= 1, got {num_episodes}")
   t0 = time.perf_counter()
-  demonstrator = make_demonstrator(config, num_envs or min(config.num_envs, num_episodes),
+  attempts = num_episodes * (MAX_ATTEMPTS_PER_EPISODE if success_only else 1)
+  demonstrator = make_demonstrator(config, num_envs or min(config.num_envs, attempts),
                                    noise=noise)
   spec = demonstrator.spec
   features = rlds.step_features({c: spec.image_shape for c in spec.camera_names},
                                 spec.state_dim, spec.action_dim)
-  steps, successes = [], []
+  steps, outcomes = [], []
 
   def examples():
-    for episode in demonstrator.episodes(num_episodes):
+    produced = demonstrator.episodes(attempts)
+    for episode in produced:
+      outcomes.append(episode.success)
+      if success_only and not episode.success:
+        continue
       steps.append(len(episode.actions))
-      successes.append(episode.success)
       yield rlds_example(episode, spec.camera_names)
+      if len(steps) == num_episodes:
+        break
+    produced.close()
+    if len(steps) < num_episodes:
+      raise ValueError(f"--success_only: only {len(steps)} of {len(outcomes)} attempted "
+                       f"episodes of {config.env.name!r} succeeded, {num_episodes} were asked for")
 
   try:
     rlds.write_dataset(out, features, examples(), name=f"{config.env.name}_demos",
                        description=f"jaxvla.data.collect demonstrations of env "
-                       f"{config.env.name!r} (noise {noise})",
+                       f"{config.env.name!r} (noise {noise}"
+                       f"{', successful episodes only' if success_only else ''})",
                        max_examples_per_shard=max_episodes_per_shard)
   finally:
     demonstrator.close()
-  return dict(out=out, episodes=len(steps), steps=int(sum(steps)),
-              success_rate=float(np.mean(successes)), wall_s=round(time.perf_counter() - t0, 2))
+  return dict(out=out, episodes=len(steps), attempted=len(outcomes), steps=int(sum(steps)),
+              success_rate=float(np.mean(outcomes)), wall_s=round(time.perf_counter() - t0, 2),
+              **demonstrator.report())
 
 
 def main(argv: list[str]) -> None:
@@ -228,6 +265,7 @@ def main(argv: list[str]) -> None:
   envs_flag = flags.DEFINE_integer("num_envs", 0, "Envs stepped together (0: min(num_envs, "
                                    "episodes)).")
   shard_flag = flags.DEFINE_integer("episodes_per_shard", 1000, "Episodes per ArrayRecord file.")
+  success_flag = flags.DEFINE_bool("success_only", False, "Record only successful episodes.")
   flags.mark_flags_as_required(["config", "out", "episodes"])
 
   def run(_):
@@ -235,7 +273,8 @@ def main(argv: list[str]) -> None:
     try:
       summary = collect(config_flag.value, out_flag.value, episodes_flag.value,
                         noise=noise_flag.value, num_envs=envs_flag.value,
-                        max_episodes_per_shard=shard_flag.value)
+                        max_episodes_per_shard=shard_flag.value,
+                        success_only=success_flag.value)
     except ONE_LINE_ERRORS as e:
       sys.exit(f"error: {e}")
     print(json.dumps(summary))

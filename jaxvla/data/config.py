@@ -22,6 +22,7 @@ import ml_collections
 
 PRESETS = ("", "openvla_libero", "openpi_libero")
 FORMATS = ("auto", "rlds", "lerobot")
+NORM_MODES = ("zscore", "quantile")  # openpi's (jaxvla.data.norm_stats applies them).
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
@@ -42,6 +43,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
   # Samples start every `stride` steps of an episode (1: every step; 0: the action horizon,
   # the states where a chunked policy acts).
   d.stride = 1
+  # State/action normalisation: 'none', 'zscore' or 'quantile' (openpi's modes), with the
+  # statistics of `norm_stats` if set, else computed from the dataset in one pass.
+  d.normalize = "none"
+  d.norm_stats = ""  # An openpi norm_stats.json (or its directory) to use instead.
   d.num_workers = 0  # grain prefetch processes (0: read in the training process).
   d.read_threads = 4  # grain threads reading samples in each process.
   if preset == "openvla_libero":
@@ -87,5 +92,7 @@ def validate(d: ml_collections.ConfigDict) -> None:
   require(d.action_horizon >= 0, "action_horizon", f"must be >= 0, got {d.action_horizon}")
   require(d.image_size >= 0, "image_size", f"must be >= 0, got {d.image_size}")
   require(d.stride >= 0, "stride", f"must be >= 0 (0: the action horizon), got {d.stride}")
+  require(d.normalize in ("none",) + NORM_MODES, "normalize",
+          f"must be 'none' or one of {NORM_MODES}, got {d.normalize!r}")
   require(d.num_workers >= 0, "num_workers", f"must be >= 0, got {d.num_workers}")
   require(d.read_threads >= 1, "read_threads", f"must be >= 1, got {d.read_threads}")

@@ -15,7 +15,15 @@ once per chunk that contains it; here every step counts once.
 :func:`normalize` / :func:`unnormalize` are openpi's two modes: ``'zscore'``
 ``(x - mean) / (std + 1e-6)`` and ``'quantile'`` ``(x - q01) / (q99 - q01 + 1e-6) * 2 - 1``
 (pi0.5's default). Arrays wider than the statistics (openpi pads to 32 dims)
-keep their extra dims unchanged.
+keep their extra dims unchanged. A dimension that is constant in the data (spread
+below :data:`MIN_SPREAD`) is only centred, not divided by ~1e-6: on the data both
+give 0, but a policy acting in an env where it varies slightly would see it
+magnified a million times.
+
+:class:`Normalizer` is what a run applies: state into the policy, action labels
+into the policy's space for SFT, and the policy's actions back out to the env
+(:mod:`jaxvla.envs.normalized`). It is stored with each checkpoint and written
+into the export, so an exported policy acts correctly on its own.
 
 ``python -m jaxvla.data.norm_stats --config=CONFIG --out=DIR`` writes the file
 for the dataset a config's ``data`` block names.
@@ -30,11 +38,12 @@ import sys
 
 import numpy as np
 
+from jaxvla.data.config import NORM_MODES as MODES
 from jaxvla.data.episodes import ONE_LINE_ERRORS, EpisodeTable
 
 FILE_NAME = "norm_stats.json"
-MODES = ("zscore", "quantile")
 _EPS = 1e-6  # openpi's
+MIN_SPREAD = 1e-4  # std (zscore) or q99 - q01 (quantile) below which a dim is only centred.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +113,11 @@ def load(path: str) -> dict[str, NormStats]:
       body = json.load(f)
     except json.JSONDecodeError as e:
       raise ValueError(f"{file}: not JSON ({e})") from e
+  return _parse(body, file)
+
+
+def _parse(body, file: str) -> dict[str, NormStats]:
+  """The ``norm_stats`` object of a file's ``body``; errors name ``file``."""
   if not isinstance(body, dict) or not isinstance(body.get("norm_stats"), dict):
     raise ValueError(f"{file}: no 'norm_stats' object at the top level")
   out = {}
@@ -135,9 +149,12 @@ def _affine(x: np.ndarray, stats: NormStats, mode: str) -> tuple[int, np.ndarray
   _check_mode(mode, stats)
   d = min(x.shape[-1], stats.mean.shape[-1])
   if mode == "zscore":
-    return d, stats.mean[:d], stats.std[:d] + _EPS
-  half = (stats.q99[:d] - stats.q01[:d] + _EPS) / 2.0
-  return d, stats.q01[:d] + half, half
+    spread, offset, scale = stats.std[:d], stats.mean[:d], stats.std[:d] + _EPS
+  else:
+    spread = stats.q99[:d] - stats.q01[:d]
+    scale = (spread + _EPS) / 2.0
+    offset = stats.q01[:d] + scale
+  return d, offset, np.where(spread < MIN_SPREAD, 1.0, scale)
 
 
 def normalize(x: np.ndarray, stats: NormStats, mode: str = "zscore") -> np.ndarray:
@@ -154,6 +171,75 @@ def unnormalize(x: np.ndarray, stats: NormStats, mode: str = "zscore") -> np.nda
   d, offset, scale = _affine(x, stats, mode)
   head = x[..., :d] * scale + offset
   return np.concatenate([head, x[..., d:]], axis=-1).astype(x.dtype, copy=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalizer:
+  """A run's normalisation of state and actions (``stats`` with keys ``state``, ``actions``).
+
+  The policy sees normalised state and acts in normalised action space: SFT labels
+  go in through :meth:`action_labels`, its actions go out to the env through
+  :meth:`actions`.
+  """
+  stats: dict[str, NormStats]
+  mode: str
+
+  def __post_init__(self):
+    for key in ("state", "actions"):
+      if key not in self.stats:
+        raise ValueError(f"normalisation statistics have no {key!r} entry "
+                         f"(have {sorted(self.stats)})")
+      _check_mode(self.mode, self.stats[key])
+
+  def state(self, x: np.ndarray) -> np.ndarray:
+    """Env state ``[..., S]`` -> the policy's input."""
+    return normalize(x, self.stats["state"], self.mode)
+
+  def action_labels(self, a: np.ndarray) -> np.ndarray:
+    """Env-space actions ``[..., A]`` (a dataset's) -> the policy's action space."""
+    return normalize(a, self.stats["actions"], self.mode)
+
+  def actions(self, a: np.ndarray) -> np.ndarray:
+    """The policy's actions ``[..., A]`` -> the env's."""
+    return unnormalize(a, self.stats["actions"], self.mode)
+
+  def to_json(self) -> dict:
+    """``{"mode": ..., "norm_stats": {...}}`` (the file's body plus the mode)."""
+    return {"mode": self.mode,
+            "norm_stats": {name: _as_lists(s) for name, s in self.stats.items()}}
+
+  @classmethod
+  def from_json(cls, body: dict, where: str = "normalizer") -> "Normalizer":
+    """The inverse of :meth:`to_json`; ``where`` names the source in errors."""
+    if not isinstance(body, dict) or "mode" not in body or "norm_stats" not in body:
+      raise ValueError(f"{where}: expected {{'mode', 'norm_stats'}}, got {body!r:.80}")
+    return cls(_parse(body, where), body["mode"])
+
+
+def save_normalizer(directory: str, normalizer: Normalizer | None) -> None:
+  """Writes ``directory/norm_stats.json`` (openpi's form, plus ``"mode"``); removes a stale
+  one when ``normalizer`` is None."""
+  file = os.path.join(directory, FILE_NAME)
+  if normalizer is None:
+    if os.path.exists(file):
+      os.remove(file)
+    return
+  os.makedirs(directory, exist_ok=True)
+  with open(file, "w") as f:
+    json.dump(normalizer.to_json(), f, indent=2)
+
+
+def load_normalizer(directory: str) -> Normalizer | None:
+  """``directory/norm_stats.json`` as written by :func:`save_normalizer` (None if absent)."""
+  file = os.path.join(directory, FILE_NAME)
+  if not os.path.exists(file):
+    return None
+  with open(file) as f:
+    try:
+      body = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{file}: not JSON ({e})") from e
+  return Normalizer.from_json(body, file)
 
 
 def main(argv: list[str]) -> None:

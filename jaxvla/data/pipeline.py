@@ -37,7 +37,7 @@ import numpy as np
 from absl import flags
 
 from jaxvla.data import episodes as episodes_lib
-from jaxvla.data import lerobot, rlds
+from jaxvla.data import lerobot, norm_stats, rlds
 from jaxvla.data.episodes import DataError, EpisodeReader, Features
 from jaxvla.envs import protocol
 
@@ -229,19 +229,47 @@ def from_config(d: ml_collections.ConfigDict, *, chunk_len: int, batch_size: int
 
 
 def bc_batches(batches: Iterable[dict[str, np.ndarray]],
-               prepare: Callable[[protocol.Observation], dict[str, np.ndarray]]
+               prepare: Callable[[protocol.Observation], dict[str, np.ndarray]],
+               normalizer: norm_stats.Normalizer | None = None
                ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
   """Batches of :func:`make_dataset` -> ``(batch, actions [B, H, A], mask [B, H])``.
 
   ``batch = prepare(Observation(images, state, instruction))``, with ``prepare``
   the policy's own ``prepare``; ``(batch, actions)`` are the arguments of
   ``Learner.bc_step(state, batch, actions)`` and ``mask`` marks the real actions.
+  With a ``normalizer``, state and actions are in the policy's normalised space.
   """
   for b in batches:
-    obs = protocol.Observation(images=b["images"], state=b["state"],
+    state, actions = b["state"], b["actions"]
+    if normalizer is not None:
+      state, actions = normalizer.state(state), normalizer.action_labels(actions)
+    obs = protocol.Observation(images=b["images"], state=state,
                                instruction=np.asarray(b["instruction"], dtype=object))
-    yield prepare(obs), b["actions"], b["action_mask"]
+    yield prepare(obs), actions, b["action_mask"]
+
+
+def normalizer_from_config(d, reader: EpisodeReader | None = None
+                           ) -> norm_stats.Normalizer | None:
+  """The normalisation ``config.data`` asks for: None for ``normalize='none'``; else the
+  statistics of ``d.norm_stats`` if set, else computed over ``reader``'s (or
+  ``d.path``'s) whole dataset.
+
+  Raises:
+    ValueError: naming ``config.data.normalize`` when there is nothing to compute
+      the statistics from.
+  """
+  if d.normalize == "none":
+    return None
+  if d.norm_stats:
+    return norm_stats.Normalizer(norm_stats.load(d.norm_stats), d.normalize)
+  if reader is None:
+    if not d.path:
+      raise ValueError(f"config.data.normalize={d.normalize!r} needs statistics: set "
+                       "config.data.norm_stats (a norm_stats.json) or config.data.path")
+    reader = open_reader(d)
+  return norm_stats.Normalizer(norm_stats.compute(reader.table), d.normalize)
 
 
 __all__ = ["DataError", "StepSource", "bc_batches", "dataset_spec", "detect_format",
-           "features_from_config", "from_config", "make_dataset", "open_reader"]
+           "features_from_config", "from_config", "make_dataset", "normalizer_from_config",
+           "open_reader"]

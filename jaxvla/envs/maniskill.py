@@ -33,12 +33,65 @@ INSTRUCTIONS = {
     "PushT-v1": "push the t block onto the target",
 }
 OBS_MODES = ("rgb", "state")
-CONTROL_MODES = ("pd_joint_delta_pos", "pd_ee_delta_pose")
+CONTROL_MODES = ("pd_joint_delta_pos", "pd_ee_delta_pose", "pd_joint_pos")
 
 
 def _np(x) -> np.ndarray:
   """Torch tensor (CPU) or array -> NumPy."""
   return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
+
+
+def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int,
+                 max_episode_steps: int, reward_mode: str):
+  """One ManiSkill3 CPU env (``num_envs=1``) as every jaxvla user of the task builds it.
+
+  Raises:
+    ValueError: naming ``env.task``, ``env.obs_mode`` or ``env.control_mode``.
+  """
+  if task not in INSTRUCTIONS:
+    raise ValueError(f"env.task={task!r} is not one of the offline ManiSkill3 tasks "
+                     f"{sorted(INSTRUCTIONS)}")
+  if obs_mode not in OBS_MODES:
+    raise ValueError(f"env.obs_mode={obs_mode!r} is not one of {OBS_MODES}")
+  if control_mode not in CONTROL_MODES:
+    raise ValueError(f"env.control_mode={control_mode!r} is not one of {CONTROL_MODES}")
+  import gymnasium as gym
+  import mani_skill.envs  # noqa: F401  (registers the tasks)
+
+  kwargs = dict(obs_mode=obs_mode, sim_backend="cpu", num_envs=1, control_mode=control_mode,
+                reward_mode=reward_mode, max_episode_steps=max_episode_steps)
+  if obs_mode == "rgb":
+    kwargs["sensor_configs"] = dict(width=image_size, height=image_size)
+  else:
+    kwargs["render_backend"] = "none"
+  return gym.make(task, **kwargs)
+
+
+def state_vector(obs) -> np.ndarray:
+  """``float32 [S]``: the agent's ``qpos``/``qvel`` and the task's ``extra`` fields of an
+  rgb observation, or the flat state of a ``state`` one."""
+  if not isinstance(obs, dict):  # obs_mode="state": already the flat state [1, D]
+    return _np(obs).reshape(-1).astype(np.float32)
+  parts = [_np(obs["agent"][k]).reshape(-1) for k in sorted(obs["agent"])]
+  parts += [_np(obs["extra"][k]).reshape(-1) for k in sorted(obs["extra"])]
+  return np.concatenate(parts).astype(np.float32)
+
+
+def camera_names(obs, obs_mode: str) -> tuple[str, ...]:
+  """The cameras of a raw observation (``("none",)`` in ``state`` mode: the placeholder)."""
+  return tuple(sorted(obs["sensor_data"])) if obs_mode == "rgb" else ("none",)
+
+
+def observation(raw: list, obs_mode: str, cameras: tuple[str, ...],
+                task: str) -> protocol.Observation:
+  """A list of raw observations ``[b]`` as jaxvla's :class:`protocol.Observation` ``[b]``."""
+  if obs_mode == "rgb":
+    images = np.stack([np.stack([_np(o["sensor_data"][c]["rgb"])[0] for c in cameras])
+                       for o in raw]).astype(np.uint8)
+  else:
+    images = np.zeros((len(raw), 1, 1, 1, 3), np.uint8)
+  return protocol.Observation(images=images, state=np.stack([state_vector(o) for o in raw]),
+                              instruction=np.array([INSTRUCTIONS[task]] * len(raw), dtype=object))
 
 
 class ManiSkillCPU(instances.InstanceBatch):
@@ -48,7 +101,8 @@ class ManiSkillCPU(instances.InstanceBatch):
     task: a ManiSkill3 env id, e.g. ``"PickCube-v1"``.
     count: number of instances in this process.
     obs_mode: ``"rgb"`` or ``"state"``.
-    control_mode: ``"pd_joint_delta_pos"`` or ``"pd_ee_delta_pose"``.
+    control_mode: one of :data:`CONTROL_MODES` (``"pd_joint_pos"``: absolute joint
+      targets, ``[-1, 1]`` spanning the joint limits).
     image_size: camera width and height (``rgb``).
     max_episode_steps: time limit in env steps.
     reward_mode: ManiSkill's reward mode (``"sparse"``: 1 on success).
@@ -63,36 +117,21 @@ class ManiSkillCPU(instances.InstanceBatch):
                control_mode: str = "pd_joint_delta_pos", image_size: int = 64,
                max_episode_steps: int = 50, reward_mode: str = "sparse", seed: int = 0,
                group_size: int = 1, first_env_id: int = 0, total_envs: int | None = None):
-    if task not in INSTRUCTIONS:
-      raise ValueError(f"env.task={task!r} is not one of the offline ManiSkill3 tasks "
-                       f"{sorted(INSTRUCTIONS)}")
-    if obs_mode not in OBS_MODES:
-      raise ValueError(f"env.obs_mode={obs_mode!r} is not one of {OBS_MODES}")
-    if control_mode not in CONTROL_MODES:
-      raise ValueError(f"env.control_mode={control_mode!r} is not one of {CONTROL_MODES}")
     self.num_envs = count
     self._init_groups(group_size, first_env_id, total_envs)
-    import gymnasium as gym
-    import mani_skill.envs  # noqa: F401  (registers the tasks)
-
     self.task_name = task
     self.obs_mode = obs_mode
-    kwargs = dict(obs_mode=obs_mode, sim_backend="cpu", num_envs=1, control_mode=control_mode,
-                  reward_mode=reward_mode, max_episode_steps=max_episode_steps)
-    if obs_mode == "rgb":
-      kwargs["sensor_configs"] = dict(width=image_size, height=image_size)
-    else:
-      kwargs["render_backend"] = "none"
-    self._envs = [gym.make(task, **kwargs) for _ in range(count)]
+    self._envs = [make_gym_env(task, obs_mode=obs_mode, control_mode=control_mode,
+                               image_size=image_size, max_episode_steps=max_episode_steps,
+                               reward_mode=reward_mode) for _ in range(count)]
     space = self._envs[0].action_space
     self._low, self._high = space.low.reshape(-1), space.high.reshape(-1)
     self._seed = seed
     self._reset_all()
     first = self._last[0]
-    cams = tuple(sorted(first["sensor_data"])) if obs_mode == "rgb" else ("none",)
     shape = (image_size, image_size, 3) if obs_mode == "rgb" else (1, 1, 3)
-    self.spec = protocol.EnvSpec(camera_names=cams, image_shape=shape,
-                                 state_dim=self._state(first).shape[0],
+    self.spec = protocol.EnvSpec(camera_names=camera_names(first, obs_mode), image_shape=shape,
+                                 state_dim=state_vector(first).shape[0],
                                  action_dim=self._low.shape[0],
                                  max_episode_steps=max_episode_steps)
 
@@ -109,24 +148,8 @@ class ManiSkillCPU(instances.InstanceBatch):
     return (obs, float(first(r)), bool(first(term)), bool(first(trunc)),
             bool(first(info["success"])))
 
-  @staticmethod
-  def _state(obs) -> np.ndarray:
-    if not isinstance(obs, dict):  # obs_mode="state": already the flat state [1, D]
-      return _np(obs).reshape(-1).astype(np.float32)
-    parts = [_np(obs["agent"][k]).reshape(-1) for k in sorted(obs["agent"])]
-    parts += [_np(obs["extra"][k]).reshape(-1) for k in sorted(obs["extra"])]
-    return np.concatenate(parts).astype(np.float32)
-
   def _observe(self, raw: list) -> protocol.Observation:
-    if self.obs_mode == "rgb":
-      images = np.stack([
-          np.stack([_np(o["sensor_data"][c]["rgb"])[0] for c in self.spec.camera_names])
-          for o in raw]).astype(np.uint8)
-    else:
-      images = np.zeros((len(raw), 1, 1, 1, 3), np.uint8)
-    return protocol.Observation(
-        images=images, state=np.stack([self._state(o) for o in raw]),
-        instruction=np.array([INSTRUCTIONS[self.task_name]] * len(raw), dtype=object))
+    return observation(raw, self.obs_mode, self.spec.camera_names, self.task_name)
 
 
 def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,

@@ -1,0 +1,151 @@
+"""The process that runs ManiSkill3's motion-planning solutions (child of :mod:`maniskill_planner`).
+
+mplib 0.1.1 (mani-skill 3.0.1's pin; 0.2.1 alike) is built against NumPy 1 and
+crashes in ``mplib.Planner`` under NumPy 2, which jax needs. This process runs
+with NumPy 1 first on its path (``launch/setup.sh`` installs it into
+``third_party/prefix/planner-site``) and imports neither jax nor TFDS: only
+NumPy, gymnasium, mani-skill and :mod:`jaxvla.envs.maniskill`.
+
+``python -m jaxvla.data.planner_worker --task T --obs_mode M --label_mode L
+--image_size N --max_episode_steps N --reward_mode R --seeds S0,S1,... --out DIR``
+attempts each seed and, per attempt, writes ``DIR/<seed>.npz`` (``images [T, N_cam,
+H, W, 3]``, ``state [T, S]``, ``actions [T, A]``, ``rewards [T]``, ``success``,
+``clipped``, ``error``) and then prints one JSON line ``{"seed": S, "file": ...}``
+on the stdout it was given (the solutions' own prints go to stderr).
+
+Recording (:class:`Recorder`): each step's observation before the planner's
+action, and the action as a label in the policy's control mode, as ManiSkill's
+``replay_trajectory`` converts ``pd_joint_pos`` trajectories:
+
+* ``pd_joint_delta_pos``: ``(target - qpos) / 0.1`` per arm joint (that controller
+  drives to ``qpos + 0.1 * action``), so the label reproduces the planner's drive
+  target exactly unless it is clipped to ``[-1, 1]`` (counted in ``clipped``);
+* ``pd_joint_pos``: the target itself.
+
+The gripper command (``1`` open, ``-1`` closed) is the same in both. Labels are in
+the policy's ``[-1, 1]`` space (the env adapter maps it onto the controller's
+bounds). An attempt is recorded until the task reports success (the RL env
+terminates there), ``max_episode_steps`` (a time-out) or the planner's end (it
+gave up): only the first is a success, as in RL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import gymnasium as gym
+import numpy as np
+
+from jaxvla.envs import maniskill
+
+PLANNER_CONTROL_MODE = "pd_joint_pos"  # What the solutions step.
+LABEL_CONTROL_MODES = ("pd_joint_delta_pos", "pd_joint_pos")
+_ARM_DOF = 7  # Panda arm joints; the 8th action is the gripper.
+_DELTA_SCALE = 0.1  # pd_joint_delta_pos: radians per unit action (mani-skill's panda.py).
+
+
+def solutions() -> dict:
+  """ManiSkill task id -> its motion-planning ``solve(env, seed)`` (mani-skill's table)."""
+  from mani_skill.examples.motionplanning.panda import \
+      run  # pylint: disable=import-outside-toplevel
+  return dict(run.MP_SOLUTIONS)
+
+
+class Labeler:
+  """Planner actions -> policy actions in ``[-1, 1]`` for ``label_mode``'s action bounds."""
+
+  def __init__(self, label_mode: str, low: np.ndarray, high: np.ndarray):
+    self.label_mode, self.low, self.high = label_mode, low, high
+    self.clipped = 0  # Label entries clipped to [-1, 1].
+
+  def __call__(self, target: np.ndarray, qpos: np.ndarray) -> np.ndarray:
+    """``target [8]`` (joint targets + gripper) at joint positions ``qpos`` -> ``[8]``."""
+    env_action = np.array(target, np.float64)
+    if self.label_mode == "pd_joint_delta_pos":
+      env_action[:_ARM_DOF] = (env_action[:_ARM_DOF] - qpos[:_ARM_DOF]) / _DELTA_SCALE
+    unit = 2.0 * (env_action - self.low) / (self.high - self.low) - 1.0
+    self.clipped += int(np.sum(np.abs(unit) > 1.0 + 1e-6))
+    return np.clip(unit, -1.0, 1.0).astype(np.float32)
+
+
+class Recorder(gym.Wrapper):
+  """Records ``(raw observation, label, reward)`` per step the planner takes, until the
+  episode ends for RL (success or the time limit); later steps run unrecorded."""
+
+  def __init__(self, env, labeler: Labeler, max_episode_steps: int):
+    super().__init__(env)
+    self.labeler, self.max_episode_steps = labeler, max_episode_steps
+    self.steps: list[list] = []
+    self.success = self.ended = False
+    self._obs = None
+
+  def reset(self, **kwargs):
+    self._obs, info = self.env.reset(**kwargs)
+    self.steps, self.success, self.ended = [], False, False
+    return self._obs, info
+
+  def step(self, action):
+    if not self.ended:
+      qpos = maniskill._np(self.env.unwrapped.agent.robot.get_qpos()).reshape(-1)
+      self.steps.append([self._obs, self.labeler(np.asarray(action).reshape(-1), qpos)])
+    obs, reward, terminated, truncated, info = self.env.step(action)
+    if not self.ended:
+      self.steps[-1].append(float(maniskill._np(reward).reshape(-1)[0]))
+      self.success = bool(maniskill._np(info["success"]).reshape(-1)[0])
+      self.ended = self.success or len(self.steps) >= self.max_episode_steps
+    self._obs = obs
+    return obs, reward, terminated, truncated, info
+
+
+def main(argv: list[str]) -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  for name in ("task", "obs_mode", "label_mode", "reward_mode", "out", "seeds"):
+    p.add_argument(f"--{name}", required=True)
+  p.add_argument("--image_size", type=int, required=True)
+  p.add_argument("--max_episode_steps", type=int, required=True)
+  a = p.parse_args(argv)
+  protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+  sys.stdout = sys.stderr  # The solutions print; only this protocol goes to stdout.
+
+  solve = solutions()[a.task]
+  policy_env = maniskill.make_gym_env(a.task, obs_mode="state", control_mode=a.label_mode,
+                                      image_size=a.image_size, max_episode_steps=1,
+                                      reward_mode=a.reward_mode)
+  space = policy_env.action_space  # Labels are mapped into [-1, 1] over these bounds.
+  labeler = Labeler(a.label_mode, space.low.reshape(-1).astype(np.float64),
+                    space.high.reshape(-1).astype(np.float64))
+  policy_env.close()
+  # The planner steps on past the RL time limit (the recorder stops there).
+  env = Recorder(maniskill.make_gym_env(
+      a.task, obs_mode=a.obs_mode, control_mode=PLANNER_CONTROL_MODE, image_size=a.image_size,
+      max_episode_steps=10 * a.max_episode_steps, reward_mode=a.reward_mode),
+      labeler, a.max_episode_steps)
+  seeds = [int(s) for s in a.seeds.split(",")]
+  raw, _ = env.reset(seed=seeds[0])
+  cameras = maniskill.camera_names(raw, a.obs_mode)
+  for seed in seeds:
+    error, before = "", labeler.clipped
+    try:
+      solve(env, seed=seed)
+    except Exception as e:  # pylint: disable=broad-except  (mplib and the solutions raise
+      # assorted errors when no plan exists; ManiSkill's run.py counts them as failures)
+      error = (str(e).splitlines() or [type(e).__name__])[0]
+    file = os.path.join(a.out, f"{seed}.npz")
+    steps = [s for s in env.steps if len(s) == 3]  # (a step that raised has no reward)
+    if steps:
+      raws, labels, rewards = zip(*steps)
+      obs = maniskill.observation(list(raws), a.obs_mode, cameras, a.task)
+      np.savez(file, images=obs.images, state=obs.state, actions=np.stack(labels),
+               rewards=np.asarray(rewards, np.float32), success=env.success,
+               clipped=labeler.clipped - before, error=error)
+    else:  # (the solution raised before its first step)
+      np.savez(file, success=False, clipped=0, error=error or "no step taken")
+    protocol_out.write(json.dumps(dict(seed=seed, file=file)) + "\n")
+  env.close()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
