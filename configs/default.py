@@ -141,6 +141,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.every_iters = 10  # Evaluate every N RL iterations (and at the start and end).
   c.eval.num_episodes = 128  # Episodes per evaluation (eval_sampler, one fixed seed).
+  c.eval.env_workers = 0  # Worker processes for the evaluation envs (0: in the trainer process).
 
   c.log = ml_collections.ConfigDict()
   c.log.progress = True  # Show a progress bar on stderr.

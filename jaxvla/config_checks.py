@@ -61,6 +61,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
            "must be >= 1 when bc.num_steps > 0")
   _require(c.eval.every_iters >= 1, "eval.every_iters", "must be >= 1")
   _require(c.eval.num_episodes >= 1, "eval.num_episodes", "must be >= 1")
+  _require(c.eval.env_workers >= 0 and (c.eval.env_workers == 0
+                                        or c.eval.num_episodes % c.eval.env_workers == 0),
+           "eval.env_workers", f"must be >= 0 and divide eval.num_episodes="
+           f"{c.eval.num_episodes}, got {c.eval.env_workers}")
   _require(c.checkpoint.every_iters >= 1, "checkpoint.every_iters", "must be >= 1")
   _require(not c.model.init_checkpoint or c.model.name in ("pi0", "pi05"), "model.init_checkpoint",
            f"openpi checkpoints hold pi0 / pi0.5 trees; model.name={c.model.name!r} cannot load "

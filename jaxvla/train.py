@@ -43,7 +43,7 @@ from jaxvla.data import collect as collect_lib
 from jaxvla.data import config as data_config
 from jaxvla.data import norm_stats as norm_lib
 from jaxvla.data import pipeline as data_pipeline
-from jaxvla.envs import make_env, make_vec_env, normalized, protocol
+from jaxvla.envs import make_vec_env, normalized, protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract, openpi_import, policy as policy_lib
 from jaxvla.rollout import evaluate as evaluate_lib
@@ -120,11 +120,21 @@ def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
       act_eval=jax.jit(functools.partial(policy.act, mode="eval")),
       value_fn=jax.jit(policy.value),
       # Evaluation and demonstrations play independent episodes (no GRPO groups).
-      eval_env=(make_env(config.env, config.eval.num_episodes, config.seed + 1, group_size=1)
-                if distributed.is_primary() else None),
+      eval_env=_eval_env(config) if distributed.is_primary() else None,
       writer=metrics_lib.MetricWriter(workdir, enabled=distributed.is_primary()),
       checkpointer=checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                                config.checkpoint.max_to_keep))
+
+
+def _eval_env(config: ml_collections.ConfigDict) -> protocol.VecEnv:
+  """One env per evaluation episode, in ``config.eval.env_workers`` processes (0: here).
+  Its episodes are independent (no GRPO groups) and the same either way."""
+  env_config = config.env.copy_and_resolve_references()
+  env_config.group_size = 1
+  return make_vec_env(env_config, config.eval.num_episodes, config.seed + 1,
+                      num_workers=config.eval.env_workers,
+                      step_timeout_s=config.env_step_timeout_s,
+                      hang_floor_s=config.env_hang_floor_s)
 
 
 def _eval_policy_name(config) -> str:

@@ -2,6 +2,7 @@
 GRPO group resets."""
 
 import time
+import types
 
 import ml_collections
 import numpy as np
@@ -209,3 +210,37 @@ def test_group_size_must_divide_num_envs():
     make_env(cfg, 8, 0)
   assert make_env(cfg, 8, 0, group_size=1).group_size == 1  # e.g. an evaluation batch.
   assert make_env(ml_collections.ConfigDict(cfg), 6, 0).group_ids().tolist() == [0] * 3 + [1] * 3
+
+
+def test_evaluation_env_in_workers_plays_the_same_episodes():
+  """``eval.env_workers``: the evaluation envs in worker processes give the same
+  evaluation as in the trainer process (same episodes, ungrouped)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxvla import train  # pylint: disable=import-outside-toplevel
+  from jaxvla.rollout import evaluate  # pylint: disable=import-outside-toplevel
+  c = default.get_config("smoke")
+  c.env.group_size = 2  # (a run's groups; evaluation episodes are independent)
+  results = []
+  for workers in (0, 2):
+    c.eval.env_workers = workers
+    env = train._eval_env(c)  # pylint: disable=protected-access
+    try:
+      assert env.num_envs == c.eval.num_episodes and env.group_size == 1
+      assert (hasattr(env, "send")) == (workers > 0)
+      rng = np.random.default_rng(0)
+
+      class Policy:  # Random actions, the same sequence for both envs.
+        @staticmethod
+        def prepare(obs):
+          return obs
+
+      def act(params, batch, key):
+        return types.SimpleNamespace(  # (evaluation reads .actions [B, H, A])
+            actions=rng.uniform(-1, 1, (c.eval.num_episodes, c.model.chunk_len, 2)))
+
+      results.append(evaluate.evaluate(env, Policy, act, None, jax.random.key(0), seed=5,
+                                       chunk_len=c.model.chunk_len))
+    finally:
+      env.close()
+  assert results[0] == results[1] and results[0]["num_episodes"] == c.eval.num_episodes
+

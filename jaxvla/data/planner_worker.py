@@ -3,7 +3,7 @@
 mplib 0.1.1 (mani-skill 3.0.1's pin; 0.2.1 alike) is built against NumPy 1 and
 crashes in ``mplib.Planner`` under NumPy 2, which jax needs. This process runs
 with NumPy 1 first on its path (``launch/setup.sh`` installs it into
-``third_party/prefix/planner-site``) and imports neither jax nor TFDS: only
+``.venv/planner-site``) and imports neither jax nor TFDS: only
 NumPy, gymnasium, mani-skill and :mod:`jaxvla.envs.maniskill`.
 
 ``python -m jaxvla.data.planner_worker --task T --obs_mode M --label_mode L
