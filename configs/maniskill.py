@@ -58,9 +58,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env_workers = 2  # Two cores: one worker process per core, 8 instances each.
     c.rollout_len = 10
     c.env.max_episode_steps = 100  # The planner takes 46-81 steps (about 70 on average).
-    c.bc.num_episodes = 20  # Few demonstrations: the SFT policy is clearly imperfect.
+    # 100 planner demonstrations: the SFT policy is clearly imperfect (~0.2 success).
+    c.bc.num_episodes = 100
     c.bc.success_only = True  # Record the planner's successful episodes only.
-    c.bc.demo_noise = 0.0  # (the planner executes its own path)
+    # Execution noise (radians on the arm's joint targets; the labels stay clean,
+    # DART-style). Measured with 100 demonstrations, 30 evaluation episodes: 0.03 to
+    # 0.07 SFT success without noise, 0.23 with 0.01; 0.03 left the planner only 11%
+    # of its attempts.
+    c.bc.demo_noise = 0.01
     c.bc.num_steps = 2000
     c.bc.batch_size = 64
     c.data.stride = 1  # Every step of the planner's path starts a sample.
@@ -68,6 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.pipeline.micro_batch_segments = 8
     c.ppo.num_minibatches = 4  # 16 envs * 10 chunks = 160 chunks: 40 per minibatch.
     c.eval.num_episodes = 100  # Fixed-seed evaluation episodes (disjoint from the demos').
+    c.eval.env_workers = 2  # (building 100 ManiSkill3 envs takes ~100 s in one process)
     c.eval.every_iters = 20
     c.checkpoint.every_iters = 10
   return c

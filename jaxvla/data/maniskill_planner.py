@@ -51,13 +51,15 @@ class PlannerDemonstrator:
   Args:
     config: the run config (``env``: task, observation and control modes, time limit).
     num_workers: planner processes (each steps one simulator).
+    noise: std (radians) of Gaussian noise on the executed arm joint targets; the
+      labels stay the planner's (DART-style, see :mod:`jaxvla.data.planner_worker`).
 
   Raises:
     ValueError: naming ``config.env.task`` without a solution or ``config.env.control_mode``
       that planner targets cannot be converted to.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, num_workers: int):
+  def __init__(self, config: ml_collections.ConfigDict, num_workers: int, noise: float = 0.0):
     e = config.env
     from mani_skill.examples.motionplanning.panda import \
         solutions  # pylint: disable=import-outside-toplevel
@@ -71,6 +73,7 @@ class PlannerDemonstrator:
                        f"recorded for {LABEL_CONTROL_MODES} only")
     self._site = _planner_site()
     self._env_config, self.seed, self.num_workers = e, config.seed, max(1, num_workers)
+    self.noise = noise
     probe = maniskill.ManiSkillCPU(e.task, 1, obs_mode=e.obs_mode, control_mode=e.control_mode,
                                    image_size=e.image_size,
                                    max_episode_steps=e.max_episode_steps,
@@ -86,7 +89,7 @@ class PlannerDemonstrator:
             f"--obs_mode={e.obs_mode}", f"--label_mode={e.control_mode}",
             f"--reward_mode={e.reward_mode}", f"--image_size={e.image_size}",
             f"--max_episode_steps={e.max_episode_steps}",
-            f"--seeds={','.join(map(str, seeds))}", f"--out={out}"]
+            f"--seeds={','.join(map(str, seeds))}", f"--out={out}", f"--noise={self.noise}"]
 
   def episodes(self, num_episodes: int) -> Iterator[collect.Episode]:
     """Attempts ``num_episodes`` seeds; an attempt whose solution raised before its first
@@ -154,7 +157,6 @@ class PlannerDemonstrator:
 def make(config: ml_collections.ConfigDict, num_envs: int, *,
          noise: float) -> PlannerDemonstrator:
   """The :data:`collect.DEMONSTRATORS` factory: ``num_envs`` planner processes."""
-  if noise:
-    raise ValueError(f"--noise={noise}: the ManiSkill3 motion planner executes its own path; "
-                     "record it without execution noise (--noise=0)")
-  return PlannerDemonstrator(config, num_envs)
+  if noise < 0:
+    raise ValueError(f"--noise={noise}: the execution noise's std must be >= 0")
+  return PlannerDemonstrator(config, num_envs, noise=noise)

@@ -7,7 +7,8 @@ with NumPy 1 first on its path (``launch/setup.sh`` installs it into
 NumPy, gymnasium, mani-skill and :mod:`jaxvla.envs.maniskill`.
 
 ``python -m jaxvla.data.planner_worker --task T --obs_mode M --label_mode L
---image_size N --max_episode_steps N --reward_mode R --seeds S0,S1,... --out DIR``
+--image_size N --max_episode_steps N --reward_mode R --seeds S0,S1,... --out DIR
+[--noise S]``
 attempts each seed and, per attempt, writes ``DIR/<seed>.npz`` (``images [T, N_cam,
 H, W, 3]``, ``state [T, S]``, ``actions [T, A]``, ``rewards [T]``, ``success``,
 ``clipped``, ``error``) and then prints one JSON line ``{"seed": S, "file": ...}``
@@ -22,7 +23,13 @@ action, and the action as a label in the policy's control mode, as ManiSkill's
   target exactly unless it is clipped to ``[-1, 1]`` (counted in ``clipped``);
 * ``pd_joint_pos``: the target itself.
 
-The gripper command (``1`` open, ``-1`` closed) is the same in both. Labels are in
+The gripper command (``1`` open, ``-1`` closed) is the same in both.
+
+With ``--noise S`` (DART-style, as :class:`jaxvla.data.collect.ExpertDemonstrator`'s
+execution noise), the env executes the planner's arm targets plus Gaussian noise of
+std ``S`` radians, while the label stays the clean target: in
+``pd_joint_delta_pos`` it is measured from the perturbed joint positions, so the
+recorded episodes show the way back to the planner's path from states off it. Labels are in
 the policy's ``[-1, 1]`` space (the env adapter maps it onto the controller's
 bounds). An attempt is recorded until the task reports success (the RL env
 terminates there), ``max_episode_steps`` (a time-out) or the planner's end (it
@@ -75,9 +82,11 @@ class Recorder(gym.Wrapper):
   """Records ``(raw observation, label, reward)`` per step the planner takes, until the
   episode ends for RL (success or the time limit); later steps run unrecorded."""
 
-  def __init__(self, env, labeler: Labeler, max_episode_steps: int):
+  def __init__(self, env, labeler: Labeler, max_episode_steps: int, noise: float = 0.0,
+               rng: np.random.Generator | None = None):
     super().__init__(env)
     self.labeler, self.max_episode_steps = labeler, max_episode_steps
+    self.noise, self.rng = noise, rng or np.random.default_rng(0)
     self.steps: list[list] = []
     self.success = self.ended = False
     self._obs = None
@@ -91,6 +100,9 @@ class Recorder(gym.Wrapper):
     if not self.ended:
       qpos = maniskill._np(self.env.unwrapped.agent.robot.get_qpos()).reshape(-1)
       self.steps.append([self._obs, self.labeler(np.asarray(action).reshape(-1), qpos)])
+    if self.noise > 0 and not self.ended:  # (the label above is the clean target)
+      action = np.array(action, np.float64).reshape(-1)
+      action[:_ARM_DOF] += self.rng.normal(0.0, self.noise, _ARM_DOF)
     obs, reward, terminated, truncated, info = self.env.step(action)
     if not self.ended:
       self.steps[-1].append(float(maniskill._np(reward).reshape(-1)[0]))
@@ -106,6 +118,7 @@ def main(argv: list[str]) -> None:
     p.add_argument(f"--{name}", required=True)
   p.add_argument("--image_size", type=int, required=True)
   p.add_argument("--max_episode_steps", type=int, required=True)
+  p.add_argument("--noise", type=float, default=0.0)
   a = p.parse_args(argv)
   protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
   sys.stdout = sys.stderr  # The solutions print; only this protocol goes to stdout.
@@ -122,12 +135,13 @@ def main(argv: list[str]) -> None:
   env = Recorder(maniskill.make_gym_env(
       a.task, obs_mode=a.obs_mode, control_mode=PLANNER_CONTROL_MODE, image_size=a.image_size,
       max_episode_steps=10 * a.max_episode_steps, reward_mode=a.reward_mode),
-      labeler, a.max_episode_steps)
+      labeler, a.max_episode_steps, a.noise)
   seeds = [int(s) for s in a.seeds.split(",")]
   raw, _ = env.reset(seed=seeds[0])
   cameras = maniskill.camera_names(raw, a.obs_mode)
   for seed in seeds:
     error, before = "", labeler.clipped
+    env.rng = np.random.default_rng(seed)  # (an attempt's noise depends on its seed alone)
     try:
       solve(env, seed=seed)
     except Exception as e:  # pylint: disable=broad-except  (mplib and the solutions raise

@@ -97,3 +97,15 @@ def test_planner_demonstrations_replay_to_success(tmp_path, control_mode):
       success = bool(np.asarray(info["success"]).reshape(-1)[0])
     env.close()
     assert success, f"seed {seed}: the replayed labels did not reach the goal"
+  if control_mode != "pd_joint_delta_pos":
+    return
+  # DART-style execution noise: the same start and first label, then states off the clean
+  # path, each labelled with the clean target measured from where the arm really is.
+  noisy = collect.collect(c, str(tmp_path / "noisy"), 1, noise=0.01, num_envs=1)
+  assert noisy["planner_attempts"] == 1
+  other = pipeline.open_reader(data_config.recorded(c.data, str(tmp_path / "noisy"),
+                                                    ("none",))).table
+  np.testing.assert_array_equal(other.state[0], table.state[0])
+  np.testing.assert_allclose(other.actions[0], table.actions[0], atol=1e-6)
+  n = min(other.lengths[0], table.lengths[0])
+  assert np.abs(other.state[5:n, :7] - table.state[5:n, :7]).max() > 1e-3
