@@ -7,6 +7,7 @@ feature names, LeRobot with pyarrow parquet files and PyAV mp4s (AV1, a keyframe
 every 2 frames, as LeRobot encodes).
 """
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -25,7 +26,7 @@ import tensorflow_datasets as tfds
 from configs import default
 from jaxvla import config_checks
 from jaxvla.data import config as data_config
-from jaxvla.data import norm_stats, pipeline, rlds
+from jaxvla.data import lerobot, norm_stats, pipeline, rlds
 from jaxvla.data.episodes import DataError
 from jaxvla.envs import normalized, protocol
 from jaxvla.models import policy as policy_lib
@@ -795,3 +796,22 @@ def test_collect_success_only_records_successes_and_fails_when_too_few(tmp_path)
   with pytest.raises(ValueError, match=r"--success_only: only 0 of 8 attempted episodes"):
     collect.collect(c, str(tmp_path / "none"), 2, noise=0.0, num_envs=2, success_only=True)
   assert not os.path.exists(tmp_path / "none")
+
+
+@pytest.mark.parametrize("name,module,cache", [("rlds", rlds, "_CACHED_EPISODES"),
+                                               ("v21_inline", lerobot, "_CACHED_ROW_GROUPS")])
+def test_read_threads_share_the_readers_cache(datasets, monkeypatch, name, module, cache):
+  """grain reads with several threads: with a one-entry cache every read evicts another
+  thread's entry (a check-then-read race was a KeyError in a real run)."""
+  monkeypatch.setattr(module, cache, 1)
+  reader = pipeline.open_reader(_configs(datasets)[name])
+  jobs = [(e, s) for e, n in enumerate(LENGTHS) for s in range(n)] * 20
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)  # Threads switch often enough to meet inside the cache.
+  try:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      images = list(pool.map(lambda job: reader.images(*job)[0], jobs))
+  finally:
+    sys.setswitchinterval(interval)
+  for (e, s), image in zip(jobs[:sum(LENGTHS)], images):
+    np.testing.assert_array_equal(image, reader.images(e, s)[0])

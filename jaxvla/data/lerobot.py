@@ -34,6 +34,7 @@ import dataclasses
 import io
 import json
 import os
+import threading
 
 import av
 import numpy as np
@@ -190,6 +191,7 @@ class LeRobotReader:
     self._episodes: list[_Episode] = []  # in table order (filled by _read_frames)
     self.table = self._read_frames(meta)
     self._row_groups: collections.OrderedDict = collections.OrderedDict()
+    self._row_groups_lock = threading.Lock()
 
   # ------------------------------------------------------------- metadata --
   def _read_tasks(self) -> dict[int, str]:
@@ -320,11 +322,16 @@ class LeRobotReader:
                                 for g in range(file.num_row_groups)])
       group = int(np.searchsorted(starts, row, side="right") - 1)
       cache_key = (ep.data_file, group, key)
-      if cache_key not in self._row_groups:
-        self._row_groups[cache_key] = file.read_row_group(group, columns=[key]).column(key)
-        if len(self._row_groups) > _CACHED_ROW_GROUPS:
-          self._row_groups.popitem(last=False)
-      value = self._row_groups[cache_key][row - int(starts[group])].as_py()
+      # grain's read threads share the cache: one lock around check, read and eviction.
+      with self._row_groups_lock:
+        column = self._row_groups.get(cache_key)
+      if column is None:
+        column = file.read_row_group(group, columns=[key]).column(key)
+        with self._row_groups_lock:
+          self._row_groups[cache_key] = column
+          if len(self._row_groups) > _CACHED_ROW_GROUPS:
+            self._row_groups.popitem(last=False)
+      value = column[row - int(starts[group])].as_py()
       data = value.get("bytes") if isinstance(value, dict) else value
       if data is None and isinstance(value, dict) and value.get("path"):
         with open(os.path.join(self.path, value["path"]), "rb") as fh:
@@ -338,7 +345,12 @@ class LeRobotReader:
     # grain's worker processes get a copy: the row-group cache is per process.
     state = dict(self.__dict__)
     state["_row_groups"] = collections.OrderedDict()
+    del state["_row_groups_lock"]  # (not picklable; a fresh one per process)
     return state
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    self._row_groups_lock = threading.Lock()
 
 
 def decode_frame(path: str, timestamp: float, fps: float) -> np.ndarray:

@@ -26,6 +26,7 @@ import collections
 import glob
 import os
 import shutil
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -134,6 +135,7 @@ class RldsReader:
     self._parser = tfds.core.example_parser.ExampleParserNp(
         info.features.get_serialized_info())
     self._cache: collections.OrderedDict[int, dict] = collections.OrderedDict()
+    self._cache_lock = threading.Lock()
     self.table = self._read_table()
 
   # ------------------------------------------------------------ the schema --
@@ -166,9 +168,13 @@ class RldsReader:
   # ------------------------------------------------------------- episodes --
   def _episode(self, episode: int) -> dict[str, Any]:
     """Episode ``episode``'s steps as ``{key: values [T, ...]}`` (images still encoded)."""
-    if episode in self._cache:
-      self._cache.move_to_end(episode)
-      return self._cache[episode]
+    # grain's read threads share the cache: check, reorder and evict under one lock
+    # (another thread's eviction between the check and the read was a KeyError).
+    with self._cache_lock:
+      steps = self._cache.get(episode)
+      if steps is not None:
+        self._cache.move_to_end(episode)
+        return steps
     try:
       raw = self._source[episode]
       values = _flat_values(self._parser.parse_example(raw))
@@ -176,9 +182,10 @@ class RldsReader:
       raise DataError(f"{self._dir}: episode {episode} of split '{self.split}' is unreadable "
                       f"({type(e).__name__}: {e})") from e
     steps = {k[len("steps/"):]: v for k, v in values.items() if k.startswith("steps/")}
-    self._cache[episode] = steps
-    if len(self._cache) > _CACHED_EPISODES:
-      self._cache.popitem(last=False)
+    with self._cache_lock:
+      self._cache[episode] = steps
+      if len(self._cache) > _CACHED_EPISODES:
+        self._cache.popitem(last=False)
     return steps
 
   def _read_table(self) -> episodes_lib.EpisodeTable:
@@ -210,7 +217,12 @@ class RldsReader:
     # grain's worker processes get a copy: the cache is per process.
     state = dict(self.__dict__)
     state["_cache"] = collections.OrderedDict()
+    del state["_cache_lock"]  # (not picklable; a fresh one per process)
     return state
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    self._cache_lock = threading.Lock()
 
 
 # ------------------------------------------------------------------ writing --
