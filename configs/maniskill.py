@@ -45,6 +45,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.group_size = 1  # GRPO groups: envs i // G share each episode's init (1: no groups).
   # state: the 1x1 placeholder image -> one 8 px patch.
   c.model.image_size = 0 if c.env.obs_mode == "rgb" else 8
+  if c.env.obs_mode == "state":
+    # pi0 reads the state in its action expert, not in the prefix: a 'prefix' value head
+    # would see only the placeholder image and the fixed instruction (a constant).
+    c.model.value_source = "expert"
   c.model.chunk_len = 5  # Actions per chunk (ManiSkill default in the literature).
   c.pipeline.micro_batch_segments = 2  # Env segments per queue item (divides num_envs).
   c.bc.num_steps = 0  # No warm start (sft_rl: planner demonstrations).

@@ -66,6 +66,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
            "eval.env_workers", f"must be >= 0 and divide eval.num_episodes="
            f"{c.eval.num_episodes}, got {c.eval.env_workers}")
   _require(c.checkpoint.every_iters >= 1, "checkpoint.every_iters", "must be >= 1")
+  _require(not (c.model.name == "pi0" and c.model.value_source == "prefix"
+                and c.env.get("obs_mode") == "state"), "model.value_source",
+           "'prefix' cannot see the state of a state-only env: pi0 reads the state in its "
+           "action expert, and the prefix holds only a placeholder image and the instruction; "
+           "use 'expert'")
   _require(not c.model.init_checkpoint or c.model.name in ("pi0", "pi05"), "model.init_checkpoint",
            f"openpi checkpoints hold pi0 / pi0.5 trees; model.name={c.model.name!r} cannot load "
            f"{c.model.init_checkpoint!r}")

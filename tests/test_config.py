@@ -78,3 +78,14 @@ def test_init_checkpoint_needs_a_pi0_family_model():
   c.model.name, c.model.init_checkpoint = "action_token_vla", "ckpt/params"
   with pytest.raises(ValueError, match="config.model.init_checkpoint"):
     config_checks.validate(c)
+
+
+def test_a_state_only_env_needs_a_value_that_sees_the_state():
+  from configs import maniskill  # pylint: disable=import-outside-toplevel
+  c = maniskill.get_config("state")
+  assert c.model.value_source == "expert"
+  config_checks.validate(c)
+  c.model.value_source = "prefix"
+  with pytest.raises(ValueError, match="config.model.value_source: 'prefix' cannot see the state"):
+    config_checks.validate(c)
+  assert maniskill.get_config().model.value_source == "prefix"  # rgb: the camera is there
