@@ -28,14 +28,13 @@ from collections.abc import Iterator
 import ml_collections
 import numpy as np
 
-from jaxvla.data import collect
+from jaxvla.data import collect, planner_worker
 from jaxvla.envs import maniskill, protocol
 
 log = logging.getLogger(__name__)
 
 # NumPy 1 for the planner processes (launch/setup.sh installs it into the venv).
 PLANNER_SITE = os.path.join(sys.prefix, "planner-site")
-LABEL_CONTROL_MODES = ("pd_joint_delta_pos", "pd_joint_pos")  # planner_worker's (jax-free)
 
 
 def _planner_site() -> str:
@@ -61,16 +60,14 @@ class PlannerDemonstrator:
 
   def __init__(self, config: ml_collections.ConfigDict, num_workers: int, noise: float = 0.0):
     e = config.env
-    from mani_skill.examples.motionplanning.panda import \
-        solutions  # pylint: disable=import-outside-toplevel
-    solvable = sorted(t for t in maniskill.INSTRUCTIONS
-                      if hasattr(solutions, "solve" + t.split("-")[0]))
+    # The worker's own table of solutions and label modes (one owner of each).
+    solvable = sorted(t for t in maniskill.INSTRUCTIONS if t in planner_worker.solutions())
     if e.task not in solvable:
       raise ValueError(f"config.env.task={e.task!r} has no ManiSkill3 motion-planning solution; "
                        f"offline tasks with one: {solvable}")
-    if e.control_mode not in LABEL_CONTROL_MODES:
+    if e.control_mode not in planner_worker.LABEL_CONTROL_MODES:
       raise ValueError(f"config.env.control_mode={e.control_mode!r}: planner demonstrations are "
-                       f"recorded for {LABEL_CONTROL_MODES} only")
+                       f"recorded for {planner_worker.LABEL_CONTROL_MODES} only")
     self._site = _planner_site()
     self._env_config, self.seed, self.num_workers = e, config.seed, max(1, num_workers)
     self.noise = noise

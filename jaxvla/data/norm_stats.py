@@ -108,12 +108,16 @@ def load(path: str) -> dict[str, NormStats]:
     ValueError: naming the file and the entry that is malformed.
   """
   file = _path(path)
+  return _parse(_read_json(file), file)
+
+
+def _read_json(file: str):
+  """The JSON body of ``file``; ValueError naming the file if it is not JSON."""
   with open(file) as f:
     try:
-      body = json.load(f)
+      return json.load(f)
     except json.JSONDecodeError as e:
       raise ValueError(f"{file}: not JSON ({e})") from e
-  return _parse(body, file)
 
 
 def _parse(body, file: str) -> dict[str, NormStats]:
@@ -234,12 +238,7 @@ def load_normalizer(directory: str) -> Normalizer | None:
   file = os.path.join(directory, FILE_NAME)
   if not os.path.exists(file):
     return None
-  with open(file) as f:
-    try:
-      body = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{file}: not JSON ({e})") from e
-  return Normalizer.from_json(body, file)
+  return Normalizer.from_json(_read_json(file), file)
 
 
 def main(argv: list[str]) -> None:
