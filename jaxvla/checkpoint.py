@@ -53,7 +53,18 @@ class _OrbaxTracebacks(logging.Filter):
   step and the cause in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.exc_info and "orbax" in record.pathname)
+    if not record.exc_info:
+      return True
+    if "orbax" in record.pathname:
+      return False
+    # The same failure once more, when the event loop collects orbax's unawaited write
+    # tasks: asyncio's "Task exception was never retrieved", whose traceback is orbax's.
+    tb = record.exc_info[2]
+    while tb is not None:
+      if "orbax" in tb.tb_frame.f_code.co_filename:
+        return False
+      tb = tb.tb_next
+    return True
 
 
 _ORBAX_TRACEBACKS = _OrbaxTracebacks()
@@ -84,7 +95,8 @@ def _quiet_closed_loop_writes() -> None:
 def _quiet_orbax_failures() -> None:
   """A failed orbax write is reported once, as a :class:`CheckpointError`: its
   threads' logged tracebacks and late callbacks are dropped (idempotent)."""
-  logging.getLogger("absl").addFilter(_ORBAX_TRACEBACKS)  # (adding it again is a no-op)
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_ORBAX_TRACEBACKS)  # (adding it again is a no-op)
   _quiet_closed_loop_writes()
 
 
