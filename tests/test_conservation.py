@@ -52,18 +52,28 @@ def _workers(pid: int) -> list[psutil.Process]:
 class _Chaos:
   """Once ``ready()`` (the run is training: a worker that dies while the pool starts
   fails the run, by design), kills a random env worker of run ``pid`` every 1.5-3 s,
-  and hangs one (SIGSTOP) once, after the first kill; counts what it did."""
+  and hangs one (SIGSTOP) once, after the first kill; counts what it did.
 
-  def __init__(self, pid: int, seed: int, ready):
-    self.pid, self.rng, self.ready = pid, random.Random(seed), ready
+  A worker that fails again right after its restart fails the run (the pool does not
+  restart in a loop), so each fault waits until the run has made ``UPDATES_BETWEEN``
+  more updates (``updates()``, its train records) since the last one: the pool restarts
+  a worker synchronously, before it steps again, so by then the replacement is running.
+  (Waiting for the worker's age alone was flaky on a loaded machine, where a start took
+  more than the 15 s waited.)"""
+
+  UPDATES_BETWEEN = 2
+
+  def __init__(self, pid: int, seed: int, ready, updates):
+    self.pid, self.rng, self.ready, self.updates = pid, random.Random(seed), ready, updates
     self.kills = self.hangs = 0
+    self._next_at = 0  # Updates the run must have made before the next fault.
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
 
   def _run(self) -> None:
     while not self._stop.wait(self.rng.uniform(1.5, 3.0)):
-      if not self.ready():
+      if not self.ready() or self.updates() < self._next_at:
         continue
       # Workers well past their start (imports take seconds): a worker that fails
       # right after a restart fails the run (the pool does not restart in a loop).
@@ -72,6 +82,7 @@ class _Chaos:
       if not workers:
         continue
       victim = self.rng.choice(workers)
+      self._next_at = self.updates() + self.UPDATES_BETWEEN
       try:
         if self.kills and not self.hangs:
           victim.send_signal(signal.SIGSTOP)  # Hung: the pool must notice and replace it.
@@ -134,7 +145,8 @@ def test_every_env_step_is_accounted_for_through_faults_and_a_resume(tmp_path, s
   workdir, ckpt_dir = str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints")
   # -- Run A: faults while it trains, then SIGKILL (possibly in the middle of a save).
   proc = _start(workdir, tmp_path / "a.txt", 10_000_000, resume=False)
-  chaos = _Chaos(proc.pid, seed=1, ready=lambda: bool(_records(workdir, "train")))
+  updates = lambda: len(_records(workdir, "train"))
+  chaos = _Chaos(proc.pid, seed=1, ready=lambda: updates() > 0, updates=updates)
   # (the env pool starts before the warm start, whose records come first)
   try:
     deadline = time.time() + 600
@@ -199,7 +211,7 @@ def test_every_env_step_is_accounted_for_through_faults_and_a_resume(tmp_path, s
   proc = _start(workdir, tmp_path / "b.txt", 10_000_000, resume=True)
   # (the env pool starts, and records past the checkpoint are moved, before this line)
   resumed = lambda: "resumed from checkpoint" in (tmp_path / "b.txt").read_text(errors="replace")
-  chaos = _Chaos(proc.pid, seed=2, ready=resumed)
+  chaos = _Chaos(proc.pid, seed=2, ready=resumed, updates=updates)
   try:
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:

@@ -152,6 +152,19 @@ def test_two_process_async_run_trains_checkpoints_and_resumes(tmp_path):
   assert c["discarded_on_resume"] == d["discarded_on_resume"] is not None
 
 
+# The runs below start RL from the fresh policy: the two-process warm start (BC) is
+# checked by the learner-split test and the async run above.
+_NO_WARM_START = "--config.bc.num_steps=0"
+
+
+def _check_grpo_records(workdir: str, iterations: int) -> None:
+  """GRPO's train records: one per update, each with a finite loss and episode returns."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    train = [r for r in map(json.loads, f) if r["phase"] == "train"]
+  assert len(train) == iterations
+  assert all(np.isfinite(r["loss"]) and "episode_return_mean" in r for r in train)
+
+
 @pytest.mark.multihost
 @pytest.mark.parametrize("mode", ["sync_colocated", "sync_disaggregated"])
 def test_two_process_sync_modes(tmp_path, mode):
@@ -160,40 +173,41 @@ def test_two_process_sync_modes(tmp_path, mode):
   port = _free_port()
   runs = _run_processes(lambda i: _main_argv(
       workdir, port, i, "--config.total_env_steps=600", f"--config.pipeline.mode={mode}",
-      "--config.checkpoint.every_iters=1000"), 2, timeout=800)
+      "--config.checkpoint.every_iters=1000", _NO_WARM_START), 2, timeout=800)
   a, b = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
   assert a["pipeline"] == b["pipeline"] == mode
   assert a["iterations"] == b["iterations"] >= 1 and a["env_steps"] == b["env_steps"] >= 600
   assert a["staleness_mean"] == 0.0 and a["success_rate"] == b["success_rate"]
 
 
+_GRPO = ("--config.env.group_size=2", "--config.ppo.algorithm=grpo",
+         "--config.ppo.loss_normalizer=constant")
+
+
 @pytest.mark.multihost
-@pytest.mark.parametrize("streamer", [False, True])
-def test_two_process_grpo_run(tmp_path, streamer):
-  """GRPO: each process's episode groups, assembled into one global batch per update."""
+def test_two_process_streamed_grpo_run(tmp_path):
+  """GRPO, streamed (L3): each process's episode groups, one global batch per update.
+  (The non-streamed GRPO update runs in the Ctrl-C test below.)"""
   workdir = str(tmp_path / "grpo")
   port = _free_port()
   runs = _run_processes(lambda i: _main_argv(
-      workdir, port, i, "--config.total_env_steps=600", "--config.env.group_size=2",
-      "--config.ppo.algorithm=grpo", "--config.ppo.loss_normalizer=constant",
-      f"--config.pipeline.streamer={streamer}", "--config.checkpoint.every_iters=1000"),
-      2, timeout=800)
+      workdir, port, i, "--config.total_env_steps=600", *_GRPO, "--config.pipeline.streamer=True",
+      "--config.checkpoint.every_iters=1000", _NO_WARM_START), 2, timeout=800)
   a, b = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
   assert a["iterations"] == b["iterations"] >= 1 and a["env_steps"] == b["env_steps"] >= 600
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    train = [r for r in map(json.loads, f) if r["phase"] == "train"]
-  assert len(train) == a["iterations"]
-  assert all(np.isfinite(r["loss"]) and "episode_return_mean" in r for r in train)
+  _check_grpo_records(workdir, a["iterations"])
 
 
 @pytest.mark.multihost
 def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
-  """SIGINT to process 1 only: both stop after the same update and save it."""
+  """SIGINT to process 1 only: both stop after the same update and save it. The run is
+  GRPO without the streamer (L1+L2), so its updates are checked too."""
   workdir = str(tmp_path / "run")
   port = _free_port()
   procs = [subprocess.Popen(_main_argv(workdir, port, i, "--config.total_env_steps=1000000",
                                        "--config.eval.every_iters=1000",
-                                       "--config.checkpoint.every_iters=1000"),
+                                       "--config.checkpoint.every_iters=1000", *_GRPO,
+                                       "--config.pipeline.streamer=False", _NO_WARM_START),
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True) for i in range(2)]
   metrics = os.path.join(workdir, "metrics.jsonl")
@@ -219,7 +233,9 @@ def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
     assert p.returncode == 0, stderr[-4000:]
   a, b = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
   assert a["interrupted"] and b["interrupted"]
+  assert a["pipeline"] == "async[L1+L2]"
   assert a["policy_version"] == b["policy_version"] == a["iterations"] >= 2
+  _check_grpo_records(workdir, a["iterations"])
   assert a["env_steps"] == b["env_steps"] < 1_000_000
   assert checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), 2).latest_step() \
       == a["iterations"]
