@@ -108,6 +108,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # to hurry: 1.0 -> 0.445 success).
   c.ppo.bootstrap_truncated = False  # Bootstrap truncations from their final obs's value.
   c.ppo.clip_eps = 0.2  # PPO ratio clip.
+  # 'mean': the geometric mean over the chunk's log-prob terms, GSPO-style (flow
+  # policies: denoise steps x actions x dims; approx_kl and target_kl are then per term).
+  c.ppo.ratio = "joint"  # The chunk's importance ratio: 'joint' (its probability) or 'mean'.
   c.ppo.value_coef = 0.5  # Weight of the value loss.
   c.ppo.entropy_coef = 0.0  # Weight of the sampler-entropy bonus (matters for flow_noise).
   c.ppo.num_epochs = 2  # Passes over each rollout.

@@ -61,6 +61,7 @@ def test_locked_config_rejects_new_fields():
     ("model.chunk_len", 500, "config.model.chunk_len"),
     ("env.group_size", 3, "config.env.group_size"),
     ("mesh.tensor", 0, "config.mesh.tensor"),
+    ("ppo.ratio", "token", "config.ppo.ratio"),
 ])
 def test_inconsistent_values_name_the_key(key, value, match):
   c = default.get_config()

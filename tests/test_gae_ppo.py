@@ -1,10 +1,14 @@
 """GAE and the PPO loss against plain NumPy references."""
 
+import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 from jaxvla.algorithms import gae, ppo
+from jaxvla.learner import objectives
+from jaxvla.models import contract
 
 
 def numpy_gae(rewards, values, dones, bootstrap, gamma, lam):
@@ -161,9 +165,52 @@ def test_ppo_loss_matches_numpy():
 
 
 def test_ppo_clipping_stops_gradient_beyond_clip():
-  import jax
   adv = jnp.ones(4)
   grad = jax.grad(lambda lp: ppo.ppo_loss(lp, jnp.zeros(4), adv, jnp.zeros(4), jnp.zeros(4),
                                           jnp.zeros(4), clip_eps=0.2, value_coef=0.0,
                                           entropy_coef=0.0)[0])(jnp.full(4, 0.5))
   np.testing.assert_allclose(grad, 0.0)  # ratio e^0.5 > 1.2 with positive advantage: clipped
+
+
+class _FixedLogProbs:
+  """A policy whose chunk log-probs are its params (``log_prob_terms`` 160, as the
+  ManiSkill3 pi0: 4 denoise steps x 5 actions x 8 dims)."""
+  log_prob_terms = 160
+
+  def evaluate(self, params, batch, chain):
+    del batch, chain
+    lp = params["lp"]
+    return contract.Evaluation(log_prob=lp, log_prob_dims=lp[:, None, None],
+                               value=jnp.zeros_like(lp), entropy=jnp.zeros_like(lp))
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_mean_ratio_is_the_geometric_mean_of_the_terms(algorithm):
+  """``ppo.ratio='mean'``: the loss and its gradient are PPO's on log-probs / terms."""
+  rng = np.random.default_rng(3)
+  n = 8
+  new_lp = jnp.asarray(rng.normal(size=n) * 30, jnp.float32)  # Joint log-ratios of ~30.
+  old_lp, adv = (jnp.asarray(rng.normal(size=n), jnp.float32) for _ in range(2))
+  cfg = ml_collections.ConfigDict(dict(
+      algorithm=algorithm, ratio="mean", advantage_norm="none", gamma=0.99, gae_lambda=0.95,
+      clip_eps=0.2, value_coef=0.0, entropy_coef=0.0, correction="none", is_clip=0.0,
+      loss_normalizer="chunks"))
+  objective = objectives.make_objective(_FixedLogProbs(), cfg)
+  if algorithm == "ppo":
+    rows = dict(batch={}, chain=jnp.zeros(n), log_prob=old_lp, adv=adv, returns=jnp.zeros(n))
+    weights = objective.weights(rows)
+  else:  # Episodes of one chunk each.
+    rows = dict(batch={}, chain=jnp.zeros((n, 1)), log_prob=old_lp[:, None],
+                mask=jnp.ones((n, 1), bool), adv=adv)
+    weights = objective.weights(rows)
+  loss_fn = lambda lp: objective.loss(dict(lp=lp), rows, weights)[0]
+  ref_fn = lambda lp: ppo.ppo_loss(lp / 160, old_lp / 160, adv, jnp.zeros(n), jnp.zeros(n),
+                                   jnp.zeros(n), clip_eps=0.2, value_coef=0.0,
+                                   entropy_coef=0.0)[0]
+  np.testing.assert_allclose(loss_fn(new_lp), ref_fn(new_lp), rtol=1e-5)
+  np.testing.assert_allclose(jax.grad(loss_fn)(new_lp), jax.grad(ref_fn)(new_lp), rtol=1e-5)
+  _, metrics = objective.loss(dict(lp=new_lp), rows, weights)
+  # Per-term log-ratios of ~0.2: some inside the clip (a joint ratio would clip them all).
+  assert 0.0 < float(metrics["clip_frac"]) < 1.0
+  with pytest.raises(ValueError, match="config.ppo.ratio"):
+    ppo.log_prob_scale("token", 160)

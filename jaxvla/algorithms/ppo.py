@@ -22,6 +22,25 @@ import ml_collections
 
 CORRECTIONS = ("none", "decoupled", "truncated_is")
 
+# What a chunk's importance ratio is over (``ppo.ratio``): "joint", the probability of
+# the whole chunk (for flow policies, of the whole denoise chain: a product of
+# K x H x A Gaussian transitions); "mean", the geometric mean of its per-term ratios
+# (GSPO's length-normalised sequence ratio), so that the clip bounds the average
+# change per transition rather than the product of all of them.
+RATIOS = ("joint", "mean")
+
+
+def log_prob_scale(ratio: str, terms: int) -> float:
+  """The factor applied to every chunk log-prob before the loss: ``1`` for "joint",
+  ``1 / terms`` for "mean" (``terms``: the policy's ``log_prob_terms``).
+
+  Raises:
+    ValueError: naming ``config.ppo.ratio`` if it is not one of :data:`RATIOS`.
+  """
+  if ratio not in RATIOS:
+    raise ValueError(f"config.ppo.ratio must be one of {RATIOS}, got {ratio!r}")
+  return 1.0 if ratio == "joint" else 1.0 / terms
+
 
 def _check_correction(correction: str, proximal_log_prob: jax.Array | None,
                       is_clip: float) -> None:

@@ -32,6 +32,12 @@ from jaxvla.algorithms import gae, grpo, ppo
 from jaxvla.models import contract
 
 
+def _log_prob_scale(policy: contract.Policy, cfg: ml_collections.ConfigDict) -> float:
+  """``ppo.ratio``'s factor on every chunk log-prob (current, behaviour and proximal
+  alike, so the ratios are of the scaled probabilities): see :data:`ppo.RATIOS`."""
+  return ppo.log_prob_scale(cfg.get("ratio", "joint"), policy.log_prob_terms)
+
+
 class Objective(Protocol):
   """One algorithm's view of a batch (see the module docstring)."""
 
@@ -105,9 +111,10 @@ class PPOObjective:
     proximal = rows.get("proximal")
     if proximal is None:  # The params at the start of this update are the current ones.
       proximal = jax.lax.stop_gradient(ev.log_prob)
-    loss, metrics = ppo.ppo_loss(ev.log_prob, rows["log_prob"], a, ev.value, rows["returns"],
-                                 ev.entropy, weights=weights, proximal_log_prob=proximal,
-                                 **ppo.loss_kwargs(self.cfg))
+    s = _log_prob_scale(self.policy, self.cfg)
+    loss, metrics = ppo.ppo_loss(s * ev.log_prob, s * rows["log_prob"], a, ev.value,
+                                 rows["returns"], ev.entropy, weights=weights,
+                                 proximal_log_prob=s * proximal, **ppo.loss_kwargs(self.cfg))
     return loss, dict(metrics, loss=loss)
 
   def batch_metrics(self, traj: types.Trajectory, rows: dict) -> dict:
@@ -165,9 +172,10 @@ class GRPOObjective:
     proximal = (rows["proximal"].reshape(-1) if "proximal" in rows
                 else jax.lax.stop_gradient(ev.log_prob))
     zeros = jnp.zeros_like(ev.log_prob)  # No critic: value and target both 0.
+    s = _log_prob_scale(self.policy, self.cfg)
     loss, metrics = ppo.ppo_loss(
-        ev.log_prob, rows["log_prob"].reshape(-1), adv, zeros, zeros, ev.entropy,
-        weights=weights.reshape(-1), proximal_log_prob=proximal,
+        s * ev.log_prob, s * rows["log_prob"].reshape(-1), adv, zeros, zeros, ev.entropy,
+        weights=weights.reshape(-1), proximal_log_prob=s * proximal,
         **dict(ppo.loss_kwargs(self.cfg), value_coef=0.0))
     del metrics["value_loss"]
     return loss, dict(metrics, loss=loss)

@@ -294,6 +294,7 @@ class ActionTokenPolicy:
         tok=self.tokenizer)
     self.chunk_len = config.chunk_len
     self.action_dim = spec.action_dim
+    self.log_prob_terms = self.chunk_len * self.action_dim
     self.state_dim = spec.state_dim
     self.num_bins = self.net.num_bins
 

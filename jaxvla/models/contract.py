@@ -63,6 +63,9 @@ class Evaluation:
 class Policy(Protocol):
   chunk_len: int
   action_dim: int
+  # Terms summed in one chunk's log-prob: Gaussian transitions (denoise steps x actions
+  # x executed dims) for flow policies, tokens for action-token ones.
+  log_prob_terms: int
 
   def init(self, rng: jax.Array) -> Params: ...
   def abstract_params(self) -> Params: ...

@@ -50,6 +50,7 @@ class FlowPolicy:
     self.noise_level = config.noise_level
     self.train_sampler = config.train_sampler
     self.eval_sampler = config.eval_sampler
+    self.log_prob_terms = self.num_steps * self.chunk_len * self.action_dim
 
   # ---------------------------------------------------------------- helpers --
   def build(self, rng: jax.Array | int = 0):
