@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from configs import default
 from jaxvla import checkpoint as checkpoint_lib, train
 from jaxvla.data import norm_stats
 from jaxvla.envs import builtin
@@ -21,24 +22,30 @@ def _tree_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _state(config, seed):
+@pytest.fixture(scope="module")
+def trained():
+  """The smoke policy and two train states (seeds 0 and 5), each after one BC step so
+  the optimizer moments are non-trivial; one learner for the module, so its step is
+  traced once."""
+  config = default.get_config("smoke")
   env = builtin.make(config.env, 2, 0)
   pol = policy_lib.make_policy(config.model, env.spec)
   lrn = learner_lib.Learner(pol, config.bc, config.ppo)
-  state = learner_lib.init_state(pol.init(jax.random.PRNGKey(seed)), lrn.ppo_tx,
-                                 jax.random.PRNGKey(seed + 1))
-  # One real update so the optimizer moments are non-trivial.
-  state, _ = lrn.bc_step(state, pol.prepare(env.observe()), np.ones((2, 5, 2), np.float32))
-  return pol, state
+  states = []
+  for seed in (0, 5):
+    state = learner_lib.init_state(pol.init(jax.random.PRNGKey(seed)), lrn.ppo_tx,
+                                   jax.random.PRNGKey(seed + 1))
+    states.append(lrn.bc_step(state, pol.prepare(env.observe()),
+                              np.ones((2, 5, 2), np.float32))[0])
+  return pol, states
 
 
 @pytest.mark.long
-def test_save_restore_equality(tmp_path, smoke_config):
-  _, state = _state(smoke_config, 0)
+def test_save_restore_equality(tmp_path, trained):
+  _, (state, other) = trained
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2)
   ckpt.save(3, state, {"env_steps": 123})
   ckpt.close()
-  _, other = _state(smoke_config, 5)
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2)
   assert ckpt.latest_step() == 3
   restored, meta = ckpt.restore(3, checkpoint_lib.abstract_like(other))
@@ -47,8 +54,8 @@ def test_save_restore_equality(tmp_path, smoke_config):
   _tree_equal(restored, state)
 
 
-def test_export_loads_without_optimizer(tmp_path, smoke_config):
-  pol, state = _state(smoke_config, 0)
+def test_export_loads_without_optimizer(tmp_path, smoke_config, trained):
+  pol, (state, _) = trained
   checkpoint_lib.export_policy(str(tmp_path / "export"), state.params,
                                smoke_config.to_json_best_effort())
   params, cfg = checkpoint_lib.load_policy_params(str(tmp_path / "export"),
