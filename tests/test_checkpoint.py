@@ -120,8 +120,8 @@ def test_resume_continues_run(tmp_path, smoke_config):
   assert norm_stats.load_normalizer(second["export_dir"]).to_json() == normalizer.to_json()
 
 
-def _two_steps(tmp_path, config):
-  pol, state = _state(config, 0)
+def _two_steps(tmp_path, trained):
+  pol, (state, _) = trained
   directory = str(tmp_path / "ckpt")
   ckpt = checkpoint_lib.Checkpointer(directory, max_to_keep=3)
   ckpt.save(1, state, {"env_steps": 1})
@@ -145,9 +145,9 @@ def _truncate_arrays(step_dir):
 
 @pytest.mark.long
 def test_damaged_latest_checkpoint_falls_back_and_mismatch_names_the_path(tmp_path, smoke_config,
-                                                                        caplog):
+                                                                          trained, caplog):
   import logging  # pylint: disable=import-outside-toplevel
-  pol, state, directory = _two_steps(tmp_path, smoke_config)
+  pol, state, directory = _two_steps(tmp_path, trained)
   abstract = checkpoint_lib.abstract_like(state)
 
   _truncate_arrays(os.path.join(directory, "2"))
@@ -168,7 +168,7 @@ def test_damaged_latest_checkpoint_falls_back_and_mismatch_names_the_path(tmp_pa
   ckpt.close()
 
   # Another model over these params: the step, the first differing path and the hint.
-  _, _, directory = _two_steps(tmp_path / "b", smoke_config)
+  _, _, directory = _two_steps(tmp_path / "b", trained)
   smoke_config.model.variant = "small"
   env = builtin.make(smoke_config.env, 2, 0)
   small = policy_lib.make_policy(smoke_config.model, env.spec)

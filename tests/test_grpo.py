@@ -246,6 +246,7 @@ class _LinearGaussian:
 
   def __init__(self, state_dim, action_size):
     self.state_dim, self.action_size = state_dim, action_size
+    self.log_prob_terms = action_size
 
   def init(self, rng=None):
     del rng
