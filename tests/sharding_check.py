@@ -2,7 +2,7 @@
 
 ``python tests/sharding_check.py DATA,FSDP,TENSOR [...]`` needs
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before jax is imported
-(``--xla_backend_optimization_level=0`` as well saves compile time). For each mesh
+(launch/test.sh's compile-time flags as well save compile time). For each mesh
 it checks that parameters are really sharded and that one sharded ``bc_step`` and
 one sharded ``update`` match the unsharded learner on one device (loss,
 metrics, new params and optimizer state, rtol = atol = 1e-5). Prints one

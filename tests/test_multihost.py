@@ -42,8 +42,9 @@ def _free_port() -> int:
 
 def _env() -> dict:
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # One CPU device per process.
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # (compile time)
+  # launch/test.sh's compile-time flags; one CPU device per process.
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
   # No persistent compilation cache: only process 0 writes it, so in a later run one
   # process can load an executable compiled by an earlier run while the other compiles
   # its own, and on the CPU backend the two then ran their gloo collectives in different

@@ -108,8 +108,8 @@ def test_sharded_train_step_equals_unsharded():
   tensor=2: the batch split 4 ways, params over fsdp and tensor); one BC step and
   one PPO update match the unsharded learner."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                      "--xla_backend_optimization_level=0")
+  # (launch/test.sh's compile-time flags, if set, and eight devices)
+  env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   env["JAX_PLATFORMS"] = "cpu"
   script = os.path.join(os.path.dirname(__file__), "sharding_check.py")
   out = subprocess.run([sys.executable, script, "2,2,2"], env=env,
