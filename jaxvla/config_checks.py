@@ -151,8 +151,7 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
            f"must be one of {ppo.CORRECTIONS}, got {c.ppo.correction!r}")
   _require(c.ppo.correction != "truncated_is" or c.ppo.is_clip > 0, "ppo.is_clip",
            "truncated_is needs is_clip > 0")
-  _require(c.ppo.ratio in ppo.RATIOS, "ppo.ratio",
-           f"must be one of {ppo.RATIOS}, got {c.ppo.ratio!r}")
+  ppo.log_prob_scale(c.ppo.ratio, 1)  # (the owner of the ppo.ratio check; raises naming it)
   _require(c.ppo.advantage_norm in ("minibatch", "none"), "ppo.advantage_norm",
            f"must be 'minibatch' or 'none', got {c.ppo.advantage_norm!r}")
   if on and p.streamer:

@@ -199,7 +199,7 @@ def test_full_disk_is_one_line_and_leaves_no_partial_step(tmp_path):
       out.stderr[-3000:]
 
 
-def test_unretrieved_orbax_task_error_is_not_logged_again():
+def test_unretrieved_orbax_task_error_is_not_logged_again(caplog):
   """Finding (CI): after the export's one-line error, asyncio logged "Task exception was
   never retrieved" with orbax's traceback for each of the export's 20 write tasks."""
   checkpoint_lib._quiet_orbax_failures()  # pylint: disable=protected-access
@@ -208,25 +208,16 @@ def test_unretrieved_orbax_task_error_is_not_logged_again():
                  "/site-packages/orbax/checkpoint/_src/serialization/serialization.py", "exec")
   orbax_module = {}
   exec(code, orbax_module)  # pylint: disable=exec-used
-  kept = []
-
-  class Keep(logging.Handler):
-
-    def emit(self, record):
-      kept.append(record.getMessage())
-
-  handler = Keep()
-  logging.getLogger("asyncio").addHandler(handler)
-  try:
+  with caplog.at_level(logging.ERROR, logger="asyncio"):
     for write in (orbax_module["write"], lambda: 1 / 0):
       try:
         write()
       except Exception as e:  # pylint: disable=broad-except
         logging.getLogger("asyncio").error("Task exception was never retrieved",
                                            exc_info=(type(e), e, e.__traceback__))
-  finally:
-    logging.getLogger("asyncio").removeHandler(handler)
-  assert kept == ["Task exception was never retrieved"]  # Only the one that is not orbax's.
+  # Only the one that is not orbax's.
+  assert [(r.getMessage(), r.exc_info[0]) for r in caplog.records] == [
+      ("Task exception was never retrieved", ZeroDivisionError)]
 
 
 def test_default_workdir_is_timestamped():

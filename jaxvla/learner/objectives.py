@@ -35,7 +35,7 @@ from jaxvla.models import contract
 def _log_prob_scale(policy: contract.Policy, cfg: ml_collections.ConfigDict) -> float:
   """``ppo.ratio``'s factor on every chunk log-prob (current, behaviour and proximal
   alike, so the ratios are of the scaled probabilities): see :data:`ppo.RATIOS`."""
-  return ppo.log_prob_scale(cfg.get("ratio", "joint"), policy.log_prob_terms)
+  return ppo.log_prob_scale(cfg.ratio, policy.log_prob_terms)
 
 
 class Objective(Protocol):
