@@ -6,6 +6,9 @@ Variants (``--config=configs/default.py:VARIANT``):
   bc_only the warm start alone (no RL), for the RL-gain comparison.
   bench   the pipeline benchmark's balanced setting: ColorReach with a slept long-tail
           step latency in 8 env workers, sized so env and learner take similar time.
+  parity  the learning-parity setting (``jaxvla.bench.parity``, tests/test_learning.py):
+          one target, one colour, a short BC warm start, 45k env steps of PPO, 256
+          evaluation episodes only at the start and the end.
 """
 
 import ml_collections
@@ -13,7 +16,7 @@ import ml_collections
 from jaxvla import sharding
 from jaxvla.data import config as data_config
 
-VARIANTS = ("", "smoke", "bc_only", "bench")
+VARIANTS = ("", "smoke", "bc_only", "bench", "parity")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -126,6 +129,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.ppo.advantage_norm = "minibatch"  # Advantage normalisation: 'minibatch' stats or 'none'.
   c.ppo.correction = "none"  # Off-policy correction: 'none', 'decoupled' or 'truncated_is'.
   c.ppo.is_clip = 2.0  # Truncation of importance weights (decoupled: 0 for none; truncated_is).
+  # 'learner': recompute GAE from the learner's critic at the start of each update (one
+  # more forward pass) instead of the values the (possibly stale) rollout recorded;
+  # 'vtrace': V-trace targets and advantages from that critic and the importance ratios.
+  c.ppo.value_targets = "rollout"  # Advantages from: 'rollout', 'learner' or 'vtrace'.
+  # 'ess': scale each optimizer step by the effective sample size fraction of its
+  # importance weights, mean(w)^2 / mean(w^2) (1 on fresh data, less the staler it is).
+  c.ppo.step_scale = "none"  # Step size under staleness: 'none' or 'ess'.
 
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.mode = "sync_colocated"  # 'sync_colocated', 'sync_disaggregated' or 'async'.
@@ -187,5 +197,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.ppo.num_minibatches = 2
     c.pipeline.micro_batch_segments = 8
     c.pipeline.b_max = 8  # A quarter of the envs: short waits for the first-ready envs.
+    c.log.progress = False
+  elif variant == "parity":
+    # One target (no colour binding to learn, so the warm start is quick), a cautious
+    # demonstrator and a tight time limit: the warm-started policy reaches the target
+    # too slowly, and only a working RL learner speeds it up.
+    c.seed = 3
+    c.env.num_targets = 1
+    c.env.num_colours = 1
+    c.num_envs = 32
+    c.rollout_len = 4
+    c.total_env_steps = 45_000
+    c.bc.num_episodes = 1000
+    c.bc.num_steps = 700
+    c.bc.batch_size = 64
+    c.ppo.num_minibatches = 2
+    c.ppo.num_epochs = 2
+    c.eval.num_episodes = 256
+    c.eval.every_iters = 1000  # only at the start and the end
+    c.checkpoint.every_iters = 1000
     c.log.progress = False
   return c

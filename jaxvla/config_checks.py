@@ -152,6 +152,12 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
   _require(c.ppo.correction != "truncated_is" or c.ppo.is_clip > 0, "ppo.is_clip",
            "truncated_is needs is_clip > 0")
   ppo.log_prob_scale(c.ppo.ratio, 1)  # (the owner of the ppo.ratio check; raises naming it)
+  ppo.step_scale(c.ppo.step_scale, dict(is_weight=1.0, is_weight_sq=1.0))  # (likewise)
+  _require(c.ppo.value_targets in ("rollout", "learner", "vtrace"), "ppo.value_targets",
+           f"must be 'rollout', 'learner' or 'vtrace', got {c.ppo.value_targets!r}")
+  _require(c.ppo.value_targets == "rollout" or c.ppo.algorithm == "ppo", "ppo.value_targets",
+           "'learner' and 'vtrace' recompute the advantages from the critic; GRPO has none "
+           "(leave it 'rollout')")
   _require(c.ppo.advantage_norm in ("minibatch", "none"), "ppo.advantage_norm",
            f"must be 'minibatch' or 'none', got {c.ppo.advantage_norm!r}")
   if on and p.streamer:

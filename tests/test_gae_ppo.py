@@ -25,6 +25,47 @@ def numpy_gae(rewards, values, dones, bootstrap, gamma, lam):
   return adv, adv + values
 
 
+def numpy_vtrace(rewards, values, dones, bootstrap, log_rhos, gamma, lam, rho_bar, c_bar):
+  """IMPALA's V-trace, one env column and one step at a time (every end terminal)."""
+  t_len, b = rewards.shape
+  vs, adv = np.zeros((t_len, b)), np.zeros((t_len, b))
+  for j in range(b):
+    for t in range(t_len):  # vs_t by its definition: a sum over the steps to the end.
+      total, trace = values[t, j], 1.0
+      for u in range(t, t_len):
+        ratio = np.exp(log_rhos[u, j])
+        next_v = 0.0 if dones[u, j] else (bootstrap[j] if u == t_len - 1 else values[u + 1, j])
+        total += gamma ** (u - t) * trace * min(rho_bar, ratio) * (
+            rewards[u, j] + gamma * next_v - values[u, j])
+        if dones[u, j]:
+          break
+        trace *= lam * min(c_bar, ratio)
+      vs[t, j] = total
+    for t in range(t_len):
+      next_vs = 0.0 if dones[t, j] else (bootstrap[j] if t == t_len - 1 else vs[t + 1, j])
+      adv[t, j] = rewards[t, j] + gamma * next_vs - values[t, j]
+  return adv, vs
+
+
+@pytest.mark.parametrize("lam", [0.8, 1.0])
+def test_vtrace_matches_numpy(lam):
+  rng = np.random.default_rng(7)
+  t_len, b = 6, 4
+  r, v = rng.normal(size=(t_len, b)), rng.normal(size=(t_len, b))
+  dones = rng.random((t_len, b)) < 0.25
+  boot, log_rhos = rng.normal(size=b), rng.normal(size=(t_len, b))
+  want = numpy_vtrace(r, v, dones, boot, log_rhos, 0.9, lam, 1.0, 0.9)
+  got = gae.compute_vtrace(*map(jnp.asarray, (r, v, dones, boot, log_rhos)), gamma=0.9,
+                           lam=lam, rho_bar=1.0, c_bar=0.9)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+  # On-policy with lam = 1: the targets are the returns to the segment's end (bootstrapped).
+  _, vs = gae.compute_vtrace(*map(jnp.asarray, (r, v, dones, boot, np.zeros_like(r))),
+                             gamma=0.9, lam=1.0)
+  np.testing.assert_allclose(vs, numpy_gae(r, v, dones, boot, 0.9, 1.0)[1], rtol=1e-5,
+                             atol=1e-5)
+
+
 def test_gae_matches_numpy():
   rng = np.random.default_rng(0)
   t_len, b = 7, 5
@@ -214,3 +255,115 @@ def test_mean_ratio_is_the_geometric_mean_of_the_terms(algorithm):
   assert 0.0 < float(metrics["clip_frac"]) < 1.0
   with pytest.raises(ValueError, match="config.ppo.ratio"):
     ppo.log_prob_scale("token", 160)
+
+
+class _TableCritic:
+  """A policy whose value of a row is ``params["v"]`` at that row's ``batch["i"]`` and
+  whose log-prob is ``params["lp"]`` there: the proximal pass reads known numbers."""
+  log_prob_terms = 1
+
+  def evaluate(self, params, batch, chain):
+    del chain
+    lp, v = params["lp"][batch["i"]], params["v"][batch["i"]]
+    return contract.Evaluation(log_prob=lp, log_prob_dims=lp[:, None, None], value=v,
+                               entropy=jnp.zeros_like(lp))
+
+
+@pytest.mark.parametrize("value_targets", ["rollout", "learner", "vtrace"])
+def test_learner_value_targets_and_staleness_diagnostics(value_targets):
+  """``ppo.value_targets='learner'``: GAE from the proximal critic (the rollout's
+  bootstrap values kept); either way the update logs the behaviour -> proximal KL,
+  value and advantage drift, split into fresh (current version) and stale rows."""
+  from jaxvla import types  # pylint: disable=import-outside-toplevel
+  from jaxvla.learner import update  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(5)
+  t_len, b = 4, 6
+  f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  done = rng.random((t_len, b)) < 0.3
+  traj = types.Trajectory(
+      batch=dict(i=np.arange(t_len * b).reshape(t_len, b)), chain=np.zeros((t_len, b, 1)),
+      log_prob=f32(t_len, b), value=f32(t_len, b), reward=f32(t_len, b), done=done,
+      terminated=done, final_value=np.zeros((t_len, b), np.float32),
+      steps=np.ones((t_len, b), np.int32), bootstrap_value=f32(b),
+      # Columns 0-2 acted with version 7 (the learner's: fresh), 3-5 with 5 (stale).
+      policy_version=np.repeat(np.array([[7, 7, 7, 5, 5, 5]], np.int32), t_len, 0))
+  cfg = ml_collections.ConfigDict(dict(
+      algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets=value_targets,
+      correction="decoupled", num_epochs=2, num_minibatches=2, clip_eps=0.2, value_coef=0.5,
+      entropy_coef=0.0, is_clip=2.0))
+  objective = objectives.PPOObjective(_TableCritic(), cfg)
+  params = dict(lp=jnp.asarray(f32(t_len * b)), v=jnp.asarray(f32(t_len * b)))
+  rows = update._with_proximal(objective, params, traj, objective.rows(traj),  # pylint: disable=protected-access
+                               version=7)
+  v_learner = np.asarray(params["v"]).reshape(t_len, b)
+  want_adv, want_ret = numpy_gae(traj.reward, v_learner, done, traj.bootstrap_value, 0.9, 0.8)
+  rollout_adv, rollout_ret = numpy_gae(traj.reward, traj.value, done, traj.bootstrap_value,
+                                       0.9, 0.8)
+  if value_targets == "rollout":
+    want_adv, want_ret = rollout_adv, rollout_ret
+  elif value_targets == "vtrace":  # Ratios of the proximal to the behaviour log-probs.
+    log_rhos = np.asarray(params["lp"]).reshape(t_len, b) - traj.log_prob
+    want_adv, want_ret = numpy_vtrace(traj.reward, v_learner, done, traj.bootstrap_value,
+                                      log_rhos, 0.9, 0.8, 1.0, 1.0)
+  np.testing.assert_allclose(rows["adv"], want_adv.reshape(-1), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(rows["returns"], want_ret.reshape(-1), rtol=1e-5, atol=1e-5)
+  m = objective.batch_metrics(traj, rows)
+  stale = np.tile(np.arange(b) >= 3, t_len)
+  np.testing.assert_allclose(m["stale_frac"], 0.5)
+  drift = np.abs(np.asarray(params["v"]) - traj.value.reshape(-1))
+  np.testing.assert_allclose(m["value_drift_stale"], drift[stale].mean(), rtol=1e-5)
+  np.testing.assert_allclose(m["value_drift_fresh"], drift[~stale].mean(), rtol=1e-5)
+  d = np.asarray(params["lp"]) - traj.log_prob.reshape(-1)
+  np.testing.assert_allclose(m["kl_behaviour_proximal"], np.mean(np.exp(d) - 1 - d), rtol=1e-5)
+  learner_adv = numpy_gae(traj.reward, v_learner, done, traj.bootstrap_value, 0.9, 0.8)[0]
+  adv_drift = np.abs(learner_adv - rollout_adv).reshape(-1) / rollout_adv.std()
+  np.testing.assert_allclose(m["advantage_drift_stale"], adv_drift[stale].mean(), rtol=1e-4)
+
+
+def test_ess_step_scale_shrinks_the_step_by_the_weights_effective_sample_size():
+  """``ppo.step_scale='ess'``: one optimizer step moves the params by
+  ``mean(w)^2 / mean(w^2)`` of the step 'none' takes (w: the applied decoupled
+  weights), and by exactly that step on fresh data (all weights 1)."""
+  import optax  # pylint: disable=import-outside-toplevel
+  from jaxvla import types  # pylint: disable=import-outside-toplevel
+  from jaxvla.learner import update  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(11)
+  t_len, b = 2, 8
+  f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  params = dict(lp=jnp.asarray(f32(t_len * b)), v=jnp.asarray(f32(t_len * b)))
+  zeros = np.zeros((t_len, b), bool)
+  value, reward, bootstrap = f32(t_len, b), f32(t_len, b), f32(b)
+
+  def step(step_scale, behaviour_log_prob):
+    traj = types.Trajectory(
+        batch=dict(i=np.arange(t_len * b).reshape(t_len, b)), chain=np.zeros((t_len, b, 1)),
+        log_prob=behaviour_log_prob, value=value, reward=reward, done=zeros,
+        terminated=zeros, final_value=np.zeros((t_len, b), np.float32),
+        steps=np.ones((t_len, b), np.int32), bootstrap_value=bootstrap,
+        policy_version=np.zeros((t_len, b), np.int32))
+    traj = jax.tree.map(jnp.asarray, traj)  # (on the device, as the learner passes it)
+    cfg = ml_collections.ConfigDict(dict(
+        algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets="rollout",
+        correction="decoupled", num_epochs=1, num_minibatches=1, clip_eps=0.2,
+        value_coef=0.5, entropy_coef=0.0, is_clip=2.0, advantage_norm="none", target_kl=0.0,
+        step_scale=step_scale))
+    tx = optax.sgd(0.1)
+    new, _, metrics = update.epochs_update(objectives.PPOObjective(_TableCritic(), cfg), tx,
+                                           cfg, params, tx.init(params), traj,
+                                           jax.random.PRNGKey(0))
+    return jax.tree.map(lambda a, b: np.asarray(a - b), new, params), metrics
+
+  stale = np.asarray(params["lp"]).reshape(t_len, b) + f32(t_len, b)  # Weights e^{-noise}.
+  plain, _ = step("none", stale)
+  scaled, metrics = step("ess", stale)
+  w = np.minimum(np.exp(np.asarray(params["lp"]) - stale.reshape(-1)), 2.0)
+  ess = w.mean() ** 2 / np.mean(w ** 2)
+  assert 0.2 < ess < 0.95
+  np.testing.assert_allclose(metrics["step_scale"], ess, rtol=1e-5)
+  for k in plain:
+    np.testing.assert_allclose(scaled[k], ess * plain[k], rtol=1e-4, atol=1e-7)
+  fresh = np.asarray(params["lp"]).reshape(t_len, b)  # Behaviour = proximal: w = 1.
+  for a, b_ in zip(jax.tree.leaves(step("none", fresh)[0]), jax.tree.leaves(step("ess", fresh)[0])):
+    np.testing.assert_allclose(a, b_, rtol=1e-6)
+  with pytest.raises(ValueError, match="config.ppo.step_scale"):
+    ppo.step_scale("adaptive", dict(is_weight=1.0, is_weight_sq=1.0))

@@ -310,9 +310,11 @@ def test_result_without_act_is_an_error():
 
 # ---------------------------------------------------------------- streamer --
 @pytest.mark.long
-def test_streamed_update_equals_the_non_streamed_one(monkeypatch):
+@pytest.mark.parametrize("value_targets", ["rollout", "learner"])
+def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets):
   """Gradients of micro-batches computed one by one as they arrive, summed and
-  applied once, equal one non-streamed PPO update over the same data.
+  applied once, equal one non-streamed PPO update over the same data (with
+  learner-side value targets too: each micro-batch's GAE from the same critic).
 
   Adam's eps is 1e-3 here: with 1e-8 a parameter whose gradient is zero up to
   float32 rounding moves by +-lr depending on the rounding of two summation
@@ -322,7 +324,8 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch):
       optax.clip_by_global_norm(clip), optax.adam(lr, eps=1e-3)))
   c, env, pol, params, act, value = _setup(
       num_envs=4, **{"ppo.num_epochs": 1, "ppo.num_minibatches": 1,
-                     "ppo.advantage_norm": "none", "ppo.correction": "decoupled"})
+                     "ppo.advantage_norm": "none", "ppo.correction": "decoupled",
+                     "ppo.value_targets": value_targets})
   builder = segments_lib.SegmentBuilder(c.num_envs, c.rollout_len, 1)
   ro = rollout_lib.Rollout(env, pol, act, value, lambda: (params, 0), builder,
                            jax.random.PRNGKey(1), seed=0)
@@ -345,7 +348,10 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch):
   jax.tree.map(close, jax.device_get(new_state.params), jax.device_get(ref_state.params))
   jax.tree.map(close, jax.device_get(new_state.opt_state), jax.device_get(ref_state.opt_state))
   assert int(new_state.step) == int(ref_state.step) == 1
-  for k in ("loss", "policy_loss", "value_loss", "approx_kl", "grad_norm"):
+  keys = ["loss", "policy_loss", "value_loss", "approx_kl", "grad_norm"]
+  if value_targets == "learner":  # (the staleness diagnostics need the proximal pass)
+    keys += ["value_drift", "kl_behaviour_proximal"]
+  for k in keys:
     close(metrics[k], ref_metrics[k], err_msg=k)
 
 

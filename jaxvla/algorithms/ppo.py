@@ -126,8 +126,10 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
     KL between the current policy and the ratio's reference: behaviour, or
     proximal for "decoupled"), ``clip_frac`` (weight of chunks whose ratio left
     ``[1 - clip_eps, 1 + clip_eps]``), ``is_weight`` (weighted mean importance
-    weight applied: 1 for "none") and ``is_truncated_frac`` (weight of chunks
-    whose importance weight was truncated at ``is_clip``).
+    weight applied: 1 for "none"), ``is_weight_sq`` (its square's weighted mean:
+    with ``is_weight``, the weights' effective sample size, see
+    :func:`ess_fraction`) and ``is_truncated_frac`` (weight of chunks whose
+    importance weight was truncated at ``is_clip``).
 
   Raises:
     ValueError: naming an unknown ``correction``, a missing
@@ -159,8 +161,37 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
       policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum,
       approx_kl=wsum(jax.lax.stop_gradient(ratio - 1.0 - log_ratio)),
       clip_frac=wsum((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32)),
-      is_weight=wsum(is_weight), is_truncated_frac=wsum(truncated))
+      is_weight=wsum(is_weight), is_weight_sq=wsum(jnp.square(is_weight)),
+      is_truncated_frac=wsum(truncated))
   return loss, metrics
+
+
+STEP_SCALES = ("none", "ess")
+
+
+def ess_fraction(is_weight: jax.Array, is_weight_sq: jax.Array) -> jax.Array:
+  """Kish's effective sample size of the applied importance weights, as a fraction of
+  the rows: ``mean(w)^2 / mean(w^2)`` in (0, 1], 1 when every weight is equal (on-policy
+  data). Both arguments are weighted means (``ppo_loss``'s metrics), so they add up
+  over a streamed learner's micro-batches."""
+  return jnp.square(is_weight) / jnp.maximum(is_weight_sq, 1e-12)
+
+
+def step_scale(step_scale_name: str, metrics: dict) -> jax.Array:
+  """The factor on one optimizer step's update (``ppo.step_scale``): ``1`` for "none";
+  for "ess", :func:`ess_fraction` of the step's importance weights, so that a gradient
+  estimated from stale data with the information of fewer samples moves the policy
+  proportionally less (1 on fresh data: the synchronous step is unchanged).
+
+  Raises:
+    ValueError: naming ``config.ppo.step_scale`` if it is not one of :data:`STEP_SCALES`.
+  """
+  if step_scale_name not in STEP_SCALES:
+    raise ValueError(f"config.ppo.step_scale must be one of {STEP_SCALES}, "
+                     f"got {step_scale_name!r}")
+  if step_scale_name == "none":
+    return jnp.ones((), jnp.float32)
+  return jax.lax.stop_gradient(ess_fraction(metrics["is_weight"], metrics["is_weight_sq"]))
 
 
 def loss_kwargs(config: ml_collections.ConfigDict) -> dict:

@@ -40,6 +40,7 @@ from flax import struct
 
 from jaxvla import distributed, types
 from jaxvla import sharding as sharding_lib
+from jaxvla.algorithms import ppo
 from jaxvla.learner import objectives, update as update_lib
 from jaxvla.models import contract
 
@@ -207,8 +208,9 @@ class Learner:
     # Streamer: gradients live like the params; metrics and the row count replicated.
     grads_sh = (self.param_shardings, rep)
     self._micro_grads_jit = jax.jit(
-        lambda params, data, total: update_lib.micro_grads(self.objective, params, data, total),
-        in_shardings=(self.param_shardings, self._data_sh, rep), out_shardings=grads_sh)
+        lambda params, data, total, version: update_lib.micro_grads(
+            self.objective, self.ppo_config, params, data, total, version),
+        in_shardings=(self.param_shardings, self._data_sh, rep, rep), out_shardings=grads_sh)
     self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, self.param_shardings, rep),
                             out_shardings=grads_sh, donate_argnums=0)
     self._apply_jit = jax.jit(self._apply, in_shardings=(ppo_sh, grads_sh),
@@ -297,23 +299,25 @@ class Learner:
                                                                self.mesh)
     params, opt_state, metrics = update_lib.epochs_update(
         self.objective, self.ppo_tx, self.ppo_config, state.params, state.opt_state, data, key,
-        constrain)
+        constrain, version=state.step)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
     new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])
     return new, dict(metrics, nonfinite=nonfinite)
 
   # --------------------------------------------------------------- streamed --
-  def micro_grads(self, params, data, total_rows: int):
+  def micro_grads(self, params, data, total_rows: int, version: int = 0):
     """Streamer: ``(grads, metrics)`` of micro-batch ``data`` in an optimizer update of
     ``total_rows`` rows (chunks for PPO, episodes for GRPO); add them with
-    :meth:`accumulate`.
+    :meth:`accumulate`. ``version``: the learner's policy version (for the staleness
+    diagnostics).
 
     Multi-process: ``data`` and ``total_rows`` are this process's; the micro-batch
     is every process's ``data`` together.
     """
     data = self._to_global(data, "streamed micro-batch envs / episodes")
     return self._micro_grads_jit(self._placed(params, self.param_shardings), data,
-                                 jnp.float32(total_rows * self.num_processes))
+                                 jnp.float32(total_rows * self.num_processes),
+                                 jnp.int32(version))
 
   def _add(self, acc, grads, metrics):
     """Accumulates ``(grads, metrics)`` into ``acc`` (donated)."""
@@ -328,8 +332,10 @@ class Learner:
   def _apply(self, state: TrainState, acc, bump_version: bool) -> tuple[TrainState, dict]:
     grads, metrics = acc
     updates, opt_state = self.ppo_tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=jnp.zeros(()))
+    scale = ppo.step_scale(self.ppo_config.step_scale, metrics)
+    params = optax.apply_updates(state.params, jax.tree.map(lambda u: scale * u, updates))
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=jnp.zeros(()),
+                   step_scale=scale)
     step = state.step + (1 if bump_version else 0)
     new = state.replace(step=step, params=params, opt_state=opt_state)
     new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])

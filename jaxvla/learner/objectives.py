@@ -17,6 +17,14 @@ minibatches, KL early stop and the decoupled proximal step for either.
 Streamed micro-batches weight their rows *globally* (``streamed_weights`` with
 the optimizer update's row count), so their gradients and metrics add up to
 those of the whole minibatch.
+
+Staleness diagnostics (:meth:`PPOObjective.batch_metrics`, whenever the update
+evaluated its rows under the params it started from, the *proximal* policy): the
+behaviour -> proximal KL, how far the critic moved since the rollout
+(``value_drift``) and how much that moves the advantages (``advantage_drift``),
+each for the rows of the current version (``_fresh``) and the older ones
+(``_stale``). With ``ppo.value_targets='learner'`` the advantages and returns are
+recomputed from those proximal values instead of the rollout's.
 """
 
 from __future__ import annotations
@@ -46,8 +54,11 @@ class Objective(Protocol):
   def rows(self, data) -> dict:
     """The batch as rows ``[n, ...]`` (``log_prob`` ``[n]`` or ``[n, K]``, ``batch``, ``chain``)."""
 
-  def log_prob(self, params: contract.Params, rows: dict) -> jax.Array:
-    """Log-probs of ``rows``' chains under ``params``: ``[n]`` (PPO) or ``[n, K]`` (GRPO)."""
+  def evaluate(self, params: contract.Params, rows: dict) -> tuple[jax.Array, jax.Array]:
+    """``(log_prob, value)`` of ``rows`` under ``params``: ``[n]`` (PPO) or ``[n, K]`` (GRPO)."""
+
+  def relabel(self, data, rows: dict) -> dict:
+    """``rows`` with targets from ``rows["proximal_value"]`` where the config asks for them."""
 
   def weights(self, rows: dict) -> jax.Array:
     """Per-row (per-chunk) weights of one minibatch, shaped like ``rows["log_prob"]``."""
@@ -78,6 +89,14 @@ class PPOObjective:
 
   def rows(self, traj: types.Trajectory) -> dict:
     """GAE over ``traj [T, B]`` (per env column), flattened to ``N = T * B`` chunks."""
+    adv, returns = self._gae(traj, traj.value)
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])
+    return dict(batch=jax.tree.map(flat, traj.batch), chain=flat(traj.chain),
+                log_prob=flat(traj.log_prob), adv=flat(adv), returns=flat(returns),
+                value=flat(traj.value), version=flat(traj.policy_version))
+
+  def _gae(self, traj: types.Trajectory, value: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """GAE over ``traj [T, B]`` with ``value [T, B]`` (its bootstrap values as recorded)."""
     cfg = self.cfg
     # ppo.bootstrap_truncated: a time limit that only schedules resets cuts an episode
     # the policy could have gone on with, so truncations bootstrap from the value of
@@ -86,14 +105,34 @@ class PPOObjective:
     # time-out is a failure: every episode end is terminal.
     truncation = (dict(terminated=traj.terminated, final_values=traj.final_value)
                   if cfg.get("bootstrap_truncated", False) else {})
-    adv, returns = gae.compute_gae(traj.reward, traj.value, traj.done, traj.bootstrap_value,
-                                   gamma=cfg.gamma, lam=cfg.gae_lambda, **truncation)
-    flat = lambda x: x.reshape((-1,) + x.shape[2:])
-    return dict(batch=jax.tree.map(flat, traj.batch), chain=flat(traj.chain),
-                log_prob=flat(traj.log_prob), adv=flat(adv), returns=flat(returns))
+    return gae.compute_gae(traj.reward, value, traj.done, traj.bootstrap_value,
+                           gamma=cfg.gamma, lam=cfg.gae_lambda, **truncation)
 
-  def log_prob(self, params: contract.Params, rows: dict) -> jax.Array:
-    return self.policy.evaluate(params, rows["batch"], rows["chain"]).log_prob
+  def evaluate(self, params: contract.Params, rows: dict) -> tuple[jax.Array, jax.Array]:
+    ev = self.policy.evaluate(params, rows["batch"], rows["chain"])
+    return ev.log_prob, ev.value
+
+  def relabel(self, traj: types.Trajectory, rows: dict) -> dict:
+    """Targets from the proximal pass (``ppo.value_targets``): 'learner', GAE from the
+    proximal critic's values of the rows; 'vtrace', V-trace from those values and the
+    behaviour -> proximal ratios. The bootstrap and final values stay the rollout's
+    (their observations are not in the trajectory). ``rows["adv_learner"]`` is the
+    GAE from the proximal values (for the diagnostics); ``rows["adv_rollout"]``
+    keeps the rollout's advantages where they are replaced."""
+    value = rows["proximal_value"].reshape(traj.value.shape)
+    adv, returns = self._gae(traj, value)
+    rows = dict(rows, adv_learner=adv.reshape(-1))
+    if self.cfg.value_targets == "vtrace":
+      s = _log_prob_scale(self.policy, self.cfg)
+      log_rhos = (s * (rows["proximal"] - rows["log_prob"])).reshape(traj.value.shape)
+      truncation = (dict(terminated=traj.terminated, final_values=traj.final_value)
+                    if self.cfg.get("bootstrap_truncated", False) else {})
+      adv, returns = gae.compute_vtrace(traj.reward, value, traj.done, traj.bootstrap_value,
+                                        log_rhos, gamma=self.cfg.gamma,
+                                        lam=self.cfg.gae_lambda, **truncation)
+    if self.cfg.value_targets != "rollout":
+      rows.update(adv_rollout=rows["adv"], adv=adv.reshape(-1), returns=returns.reshape(-1))
+    return rows
 
   def weights(self, rows: dict) -> jax.Array:
     n = rows["log_prob"].shape[0]
@@ -118,7 +157,30 @@ class PPOObjective:
     return loss, dict(metrics, loss=loss)
 
   def batch_metrics(self, traj: types.Trajectory, rows: dict) -> dict:
-    return dict(value_mean=jnp.mean(traj.value), advantage_std=jnp.std(rows["adv"]))
+    """Value and advantage scale; with a proximal pass, the staleness diagnostics
+    (module docstring): per-row means over all rows, the fresh ones (the learner's
+    current version) and the stale ones, 0 for a subset with no rows."""
+    metrics = dict(value_mean=jnp.mean(traj.value), advantage_std=jnp.std(rows["adv"]))
+    if "proximal_value" not in rows:
+      return metrics
+    s = _log_prob_scale(self.policy, self.cfg)
+    d = s * (rows["proximal"] - rows["log_prob"])
+    adv_rollout = rows.get("adv_rollout", rows["adv"])
+    per_row = dict(
+        # k3 estimate of KL(behaviour || proximal) on the behaviour's samples.
+        kl_behaviour_proximal=jnp.exp(d) - 1.0 - d,
+        value_drift=jnp.abs(rows["proximal_value"] - rows["value"]),
+        # In units of the rollout advantages' std (what the normalised loss sees).
+        advantage_drift=(jnp.abs(rows["adv_learner"] - adv_rollout)
+                         / (jnp.std(adv_rollout) + 1e-8)))
+    stale = rows["lag"] > 0
+    mean_over = lambda x, m: jnp.sum(jnp.where(m, x, 0.0)) / jnp.maximum(jnp.sum(m), 1)
+    for name, x in per_row.items():
+      metrics[name] = jnp.mean(x)
+      metrics[name + "_fresh"] = mean_over(x, ~stale)
+      metrics[name + "_stale"] = mean_over(x, stale)
+    metrics["stale_frac"] = jnp.mean(stale.astype(jnp.float32))
+    return metrics
 
 
 class GRPOObjective:
@@ -146,15 +208,22 @@ class GRPOObjective:
     swap = lambda x: jnp.swapaxes(jnp.asarray(x), 0, 1)
     return dict(batch=jax.tree.map(swap, eb.batch), chain=swap(eb.chain),
                 log_prob=swap(eb.log_prob), mask=swap(eb.mask),
-                adv=jnp.asarray(eb.advantage, jnp.float32))
+                adv=jnp.asarray(eb.advantage, jnp.float32), version=swap(eb.policy_version))
 
   def _evaluate(self, params: contract.Params, rows: dict) -> contract.Evaluation:
     """The policy's evaluation of every chunk of ``rows`` ``[e, K, ...]``, flattened ``[e * K]``."""
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
     return self.policy.evaluate(params, jax.tree.map(flat, rows["batch"]), flat(rows["chain"]))
 
-  def log_prob(self, params: contract.Params, rows: dict) -> jax.Array:
-    return self._evaluate(params, rows).log_prob.reshape(rows["chain"].shape[:2])
+  def evaluate(self, params: contract.Params, rows: dict) -> tuple[jax.Array, jax.Array]:
+    ev = self._evaluate(params, rows)
+    shape = rows["chain"].shape[:2]
+    return ev.log_prob.reshape(shape), ev.value.reshape(shape)
+
+  def relabel(self, eb: types.EpisodeBatch, rows: dict) -> dict:
+    """GRPO has no critic: its targets are group-normalised returns."""
+    del eb
+    return rows
 
   def weights(self, rows: dict) -> jax.Array:
     return grpo.chunk_weights(rows["mask"], self.cfg.loss_normalizer)

@@ -30,14 +30,32 @@ from jaxvla.learner.objectives import Objective
 
 
 def _uses_proximal(cfg: ml_collections.ConfigDict) -> bool:
-  """Decoupled PPO needs the pre-update log-probs once an update has several steps."""
-  return (ppo.loss_kwargs(cfg)["correction"] == "decoupled"
-          and (cfg.num_epochs > 1 or cfg.num_minibatches > 1))
+  """Whether an update first evaluates its rows under the params it starts from: decoupled
+  PPO needs those log-probs once an update has several steps, and learner-side value
+  targets need the values."""
+  return ((ppo.loss_kwargs(cfg)["correction"] == "decoupled"
+           and (cfg.num_epochs > 1 or cfg.num_minibatches > 1))
+          or cfg.value_targets != "rollout")
+
+
+def _with_proximal(objective: Objective, params, data, rows: dict, version: jax.Array,
+                   split: Callable[[jax.Array], jax.Array] = lambda x: x[None]) -> dict:
+  """``rows`` with ``proximal`` / ``proximal_value`` (``rows`` under ``params``, no
+  gradient), each row's ``lag`` behind ``version``, and the objective's relabelled
+  targets. ``split`` cuts the rows into the minibatches evaluated one at a time."""
+  log_prob, value = jax.lax.map(
+      lambda m: objective.evaluate(params, m),
+      dict(batch=jax.tree.map(split, rows["batch"]), chain=split(rows["chain"])))
+  rows = dict(rows, proximal=jax.lax.stop_gradient(log_prob.reshape(rows["log_prob"].shape)),
+              proximal_value=jax.lax.stop_gradient(value.reshape(rows["log_prob"].shape)),
+              lag=version - rows["version"])
+  return objective.relabel(data, rows)
 
 
 def epochs_update(objective: Objective, tx: optax.GradientTransformation,
                   cfg: ml_collections.ConfigDict, params, opt_state, data, rng: jax.Array,
-                  constrain: Callable[[jax.Array], jax.Array] = lambda x: x):
+                  constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
+                  version: jax.Array | int = 0):
   """Every epoch and minibatch of one batch ``data``.
 
   Args:
@@ -48,6 +66,8 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
     rng: the shuffling key.
     constrain: applied to every minibatch array ``[num_minibatches, mb, ...]``
       (the learner's sharding constraint of the row axis).
+    version: the learner's policy version (``state.step``): rows older than it are
+      the stale ones of the diagnostics.
 
   Returns:
     ``(params, opt_state, metrics)``: metrics are means over minibatches of the
@@ -65,10 +85,7 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
   mb = n // nm
   split = lambda x: x.reshape((nm, mb) + x.shape[1:])
   if _uses_proximal(cfg):  # The params before this update's steps, per minibatch of rows.
-    proximal = jax.lax.map(lambda m: objective.log_prob(params, m),
-                           dict(batch=jax.tree.map(split, rows["batch"]),
-                                chain=split(rows["chain"])))
-    rows["proximal"] = jax.lax.stop_gradient(proximal.reshape(rows["log_prob"].shape))
+    rows = _with_proximal(objective, params, data, rows, version, split)
 
   def minibatch_step(carry, minibatch):
     params, opt_state, stop = carry
@@ -76,12 +93,14 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
         params, minibatch, objective.weights(minibatch))
     del loss  # (in metrics)
     updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    scale = ppo.step_scale(cfg.step_scale, metrics)
+    new_params = optax.apply_updates(params, jax.tree.map(lambda u: scale * u, updates))
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(stop, b, a), new, old)
     params, opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
     if cfg.target_kl > 0:
       stop = stop | (metrics["approx_kl"] > cfg.target_kl)
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=stop.astype(jnp.float32))
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=stop.astype(jnp.float32),
+                   step_scale=scale)
     return (params, opt_state, stop), metrics
 
   def epoch(carry, key):
@@ -95,15 +114,20 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
   return params, opt_state, metrics
 
 
-def micro_grads(objective: Objective, params, data, total_rows: jax.Array):
+def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, data,
+                total_rows: jax.Array, version: jax.Array | int = 0):
   """``(grads, metrics)`` of micro-batch ``data`` in an optimizer update of ``total_rows``.
 
   Gradients and metrics are weighted sums with global weights, so the
   micro-batches' add up to the whole minibatch's; ``objective.batch_metrics``
   are weighted by this micro-batch's share of the rows (means add up; a std is
-  the row-weighted mean of the micro-batches' stds).
+  the row-weighted mean of the micro-batches' stds). With learner-side value
+  targets (``cfg.value_targets``), the micro-batch is first evaluated under
+  ``params`` (its whole trajectory: GAE runs along its time axis).
   """
   rows = objective.rows(data)
+  if cfg.value_targets != "rollout":
+    rows = _with_proximal(objective, params, data, rows, version)
   weights = objective.streamed_weights(rows, total_rows)
   (_, metrics), grads = jax.value_and_grad(objective.loss, has_aux=True)(params, rows, weights)
   share = rows["log_prob"].shape[0] / total_rows

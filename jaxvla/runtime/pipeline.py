@@ -373,7 +373,7 @@ class Pipeline:
       with self.clock.busy("learner"):
         # Items are alike, so the minibatch's rows are known from its first.
         grads = self.learner.micro_grads(state.params, item.data,
-                                         per_minibatch * item.data.num_rows)
+                                         per_minibatch * item.data.num_rows, version)
         acc = self.learner.accumulate(acc, grads)
         if (j + 1) % per_minibatch == 0:
           last = j + 1 == self.items_per_update

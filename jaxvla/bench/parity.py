@@ -1,0 +1,171 @@
+"""Learning parity of the async pipeline: ``python -m jaxvla.bench.parity``.
+
+For each seed: one warm start (a run with no RL budget writes checkpoint 0), then a
+copy of that workdir resumed into every pipeline of ``--staleness`` at the same
+env-step budget: ``0`` is ``sync_colocated``, ``k >= 1`` the async pipeline with
+``max_staleness=k`` and the decoupled correction. ``--levels`` picks the async
+levels: ``l1`` (rollout thread || learner, lockstep envs: deterministic, what
+``tests/test_learning.py`` runs) or ``full`` (L1 + L2 first-ready env batching in
+``--env_workers`` processes + L3 streamed learner). The streamer makes one pass over
+each batch without minibatch advantage statistics, so with ``full`` every run, the
+sync one included, trains with ``ppo.num_epochs=1`` and ``ppo.advantage_norm='none'``:
+the pipeline is the only difference between the columns.
+
+Prints one row per seed (evaluation success of each pipeline, warm start, mean
+staleness), the mean and spread per column and each async column's gap to sync;
+writes ``results.json`` and ``table.md`` to ``--out``. Finished runs are kept: a
+rerun with the same ``--out`` does only the missing ones. Config overrides go after
+the config, e.g. ``--config.ppo.learning_rate=5e-5``.
+
+  python -m jaxvla.bench.parity --out=/tmp/parity --seeds=3,4,5,6,7 \\
+      --staleness=0,1,2,4,8 --levels=full
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+
+import ml_collections
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxvla import train
+
+LEVELS = ("l1", "full")
+KEYS = ("success_rate", "warm_start_success_rate", "staleness_mean", "env_steps",
+        "dropped_env_steps", "policy_version", "wall_s")
+
+
+def run_config(base: ml_collections.ConfigDict, seed: int, staleness: int, levels: str,
+               env_workers: int = 2) -> ml_collections.ConfigDict:
+  """``base`` for one run: ``staleness`` 0 is sync_colocated, else async at that bound.
+
+  Raises:
+    ValueError: an unknown ``levels`` or a negative ``staleness``.
+  """
+  if levels not in LEVELS:
+    raise ValueError(f"levels must be one of {LEVELS}, got {levels!r}")
+  if staleness < 0:
+    raise ValueError(f"staleness must be >= 0, got {staleness}")
+  c = ml_collections.ConfigDict(base.to_dict())
+  c.seed = seed
+  if levels == "full":
+    c.ppo.num_epochs = 1
+    c.ppo.advantage_norm = "none"
+    c.ppo.target_kl = 0.0
+  if staleness:
+    p = c.pipeline
+    p.mode = "async"
+    p.max_staleness = staleness
+    c.ppo.correction = "decoupled"
+    if levels == "l1":
+      p.train_async, p.rollout_async, p.streamer = True, False, False
+      # Room for the rollout to run as far ahead as the bound lets it.
+      p.queue_items = 4 * staleness + 4
+    else:
+      c.env_workers = env_workers
+      p.train_async, p.rollout_async, p.streamer = True, True, True
+      p.queue_items = (4 * staleness + 4) * (c.num_envs // p.micro_batch_segments)
+  return c
+
+
+def run_seed(base: ml_collections.ConfigDict, out: str, seed: int, staleness: list[int],
+             levels: str, env_workers: int, results: dict, warm_root: str) -> None:
+  """The warm start of ``seed`` (in ``warm_root``, made once) and every pipeline not yet
+  in ``results`` (updated, saved)."""
+  warm_dir = os.path.join(warm_root, f"seed{seed}", "warm_start")
+  if not os.path.exists(os.path.join(warm_dir, "done")):
+    shutil.rmtree(warm_dir, ignore_errors=True)
+    c = run_config(base, seed, 0, levels)
+    c.total_env_steps = 0
+    train.train_and_evaluate(c, warm_dir)
+    open(os.path.join(warm_dir, "done"), "w").close()
+  for k in staleness:
+    name = f"seed{seed}/k{k}"
+    if name in results:
+      continue
+    workdir = os.path.join(out, f"seed{seed}", f"k{k}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    shutil.copytree(warm_dir, workdir)
+    c = run_config(base, seed, k, levels, env_workers)
+    c.resume = True
+    summary = train.train_and_evaluate(c, workdir)
+    results[name] = {key: summary[key] for key in KEYS}
+    logging.info("%s: %s", name, results[name])
+    _save_json(out, results)
+
+
+def _save_json(out: str, results: dict) -> None:
+  tmp = os.path.join(out, "results.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(results, f, indent=1, sort_keys=True)
+  os.replace(tmp, os.path.join(out, "results.json"))
+
+
+def table(results: dict, seeds: list[int], staleness: list[int]) -> str:
+  """Markdown: a row per seed, then the mean (± std) and each async column's gap to sync."""
+  col = lambda k: "sync" if k == 0 else f"k={k}"
+  lines = ["| seed | warm start | " + " | ".join(col(k) for k in staleness) + " |",
+           "|---" * (len(staleness) + 2) + "|"]
+  for s in seeds:
+    row = [results.get(f"seed{s}/k{k}") for k in staleness]
+    warm = next((r["warm_start_success_rate"] for r in row if r), None)
+    cell = lambda r: "" if r is None else (
+        f"{r['success_rate']:.3f}" + (f" (s̄ {r['staleness_mean']:.2f})"
+                                      if r["staleness_mean"] else ""))
+    lines.append(f"| {s} | {'' if warm is None else f'{warm:.3f}'} | "
+                 + " | ".join(cell(r) for r in row) + " |")
+  means, gaps = [], []
+  for k in staleness:
+    xs = [results[f"seed{s}/k{k}"]["success_rate"] for s in seeds if f"seed{s}/k{k}" in results]
+    means.append(f"{statistics.mean(xs):.3f} ± {statistics.pstdev(xs):.3f}" if xs else "")
+    pairs = [results[f"seed{s}/k{k}"]["success_rate"] - results[f"seed{s}/k0"]["success_rate"]
+             for s in seeds if f"seed{s}/k{k}" in results and f"seed{s}/k0" in results]
+    gaps.append("" if k == 0 or not pairs else
+                f"{statistics.mean(pairs):+.3f} (worst {min(pairs):+.3f})")
+  lines.append("| mean ± std | | " + " | ".join(means) + " |")
+  lines.append("| gap to sync | | " + " | ".join(gaps) + " |")
+  return "\n".join(lines)
+
+
+def _define_flags() -> None:
+  """The command line's flags (defined only when run as a program: tests import
+  :func:`run_config` next to other modules' flags)."""
+  config_flags.DEFINE_config_file(
+      "config", "configs/default.py:parity", "Base config (its seed is replaced by --seeds).")
+  flags.DEFINE_string("out", None, "Directory for the runs, results.json and table.md.",
+                      required=True)
+  flags.DEFINE_list("seeds", ["3", "4", "5", "6", "7"], "Seeds (one warm start each).")
+  flags.DEFINE_list("staleness", ["0", "1", "2", "4", "8"],
+                    "0: sync_colocated; k >= 1: async with max_staleness=k.")
+  flags.DEFINE_enum("levels", "full", list(LEVELS), "Async levels (see the docstring).")
+  flags.DEFINE_integer("env_workers", 2, "Env worker processes (levels=full).")
+  flags.DEFINE_string(
+      "warm_dir", None, "Where the warm starts live (default: --out). Share it between runs "
+      "whose configs differ only in RL settings (the warm start is BC).")
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  f = flags.FLAGS
+  out = os.path.abspath(f.out)
+  os.makedirs(out, exist_ok=True)
+  seeds = [int(s) for s in f.seeds]
+  staleness = [int(k) for k in f.staleness]
+  path = os.path.join(out, "results.json")
+  results = json.load(open(path)) if os.path.exists(path) else {}
+  for seed in seeds:
+    run_seed(f.config, out, seed, staleness, f.levels, f.env_workers, results,
+             os.path.abspath(f.warm_dir or out))
+  text = table(results, seeds, staleness)
+  with open(os.path.join(out, "table.md"), "w") as f:
+    f.write(text + "\n")
+  print(text)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
