@@ -7,10 +7,15 @@ a TPU pod. Checked:
 * the learner split over two processes, each feeding half of every batch,
   computes the same BC step, PPO update and streamed update as one process
   on the whole batch (``tests/multihost_check.py``);
-* ``python -m jaxvla.main`` as two processes, fully asynchronous (L1+L2+L3):
-  both finish with the same summary, the budget counts both processes' env
-  steps, process 0 alone writes the metrics, the checkpoint restores on both
-  (resume), and the export loads;
+* ``python -m jaxvla.main`` as two processes, fully asynchronous (L1+L2+L3),
+  started as a SLURM job would start them: ``launch/slurm.sbatch`` under a stand-in
+  ``srun`` (``tests/fake_slurm.py``) that sets the variables the real one sets, so the
+  processes join through ``cluster_auto`` alone (JAX's SLURM detection, its derived
+  coordinator port). Both finish with the same summary, the budget counts both
+  processes' env steps, process 0 alone writes the metrics, the export loads, and a
+  second submission to the same workdir resumes the checkpoint on both (the script
+  adds ``--config.resume=True`` itself). The other runs join through an explicit
+  coordinator;
 * ``config.distributed`` errors name the key.
 """
 
@@ -30,6 +35,7 @@ import pytest
 from configs import default
 from jaxvla import checkpoint as checkpoint_lib
 from jaxvla import config_checks, distributed
+from tests import fake_slurm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,28 +106,56 @@ def test_learner_split_over_two_processes_matches_one_process(tmp_path):
   assert float(got["broadcast"]) == 7.0  # process 0's value on both
 
 
+# The two-process asynchronous run's settings (fully asynchronous: L1+L2+L3).
+_ASYNC = ("--config.pipeline.mode=async", "--config.pipeline.streamer=True",
+          "--config.env_workers=2", "--config.pipeline.micro_batch_segments=2",
+          "--config.ppo.num_minibatches=2", "--config.ppo.num_epochs=1",
+          "--config.ppo.advantage_norm=none")
+
+
 def _main_argv(workdir: str, port: int, i: int, *extra: str) -> list[str]:
   return [sys.executable, "-m", "jaxvla.main", "--config=configs/default.py:smoke",
           f"--workdir={workdir}",
           f"--config.distributed.coordinator_address=localhost:{port}",
           "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
-          "--config.distributed.initialization_timeout_s=120",
-          "--config.pipeline.mode=async", "--config.pipeline.streamer=True",
-          "--config.env_workers=2", "--config.pipeline.micro_batch_segments=2",
-          "--config.ppo.num_minibatches=2", "--config.ppo.num_epochs=1",
-          "--config.ppo.advantage_norm=none", *extra]
+          "--config.distributed.initialization_timeout_s=120", *_ASYNC, *extra]
+
+
+def _sbatch(tmp_path, workdir: str, *args: str, **env: str) -> tuple[list[dict], str]:
+  """``launch/slurm.sbatch ARGS`` as a 2-task job on this machine (``env``: more of the
+  job's variables). Returns each task's summary (its last stdout line) and the script's log."""
+  bin_dir, fake = str(tmp_path / "bin"), str(tmp_path / "slurm")
+  fake_slurm.install(bin_dir)
+  for name in os.listdir(fake) if os.path.isdir(fake) else ():
+    os.remove(os.path.join(fake, name))  # (the previous submission's task logs)
+  job_env = fake_slurm.job_env(_env(), bin_dir, fake, ntasks=2, job_id=fake_slurm.free_job_id(),
+                               workdir=workdir, submit_dir=ROOT, **env)
+  r = subprocess.run(["bash", os.path.join(ROOT, "launch", "slurm.sbatch"), *args],
+                     cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=800)
+  outs, errs = [], []
+  for i in range(2):
+    with open(os.path.join(fake, f"task{i}.out"), encoding="utf-8") as f:
+      outs.append(f.read())
+    with open(os.path.join(fake, f"task{i}.err"), encoding="utf-8") as f:
+      errs.append(f.read())
+  assert r.returncode == 0, (f"slurm.sbatch failed:\n{r.stderr[-3000:]}\n" + "\n".join(
+      f"task {i}:\n{err[-3000:]}" for i, err in enumerate(errs)))
+  (srun,) = fake_slurm.calls(fake, "srun")
+  assert "--config.distributed.cluster_auto=True" in srun
+  assert not any(a.startswith("--config.distributed.coordinator_address") for a in srun)
+  for i, err in enumerate(errs):  # Each task's rank came from SLURM_PROCID, via JAX.
+    assert f"jax.distributed: process {i} of 2" in err, err[-3000:]
+  return [json.loads(out.strip().splitlines()[-1]) for out in outs], r.stderr
 
 
 @pytest.mark.multihost
-def test_two_process_async_run_trains_checkpoints_and_resumes(tmp_path):
+def test_two_process_async_run_via_slurm_detection_trains_checkpoints_and_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   budget = 1_200
-  port = _free_port()
-  runs = _run_processes(lambda i: _main_argv(workdir, port, i,
-                                             f"--config.total_env_steps={budget}"),
-                        2, timeout=800)
-  summaries = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
-  a, b = summaries
+  smoke = ("--config=configs/default.py:smoke", "--config.distributed.initialization_timeout_s=120",
+           *_ASYNC)
+  (a, b), log = _sbatch(tmp_path, workdir, *smoke, f"--config.total_env_steps={budget}")
+  assert "no checkpoint in the workdir: starting the run" in log
   assert a["num_processes"] == b["num_processes"] == 2
   assert a["pipeline"] == "async[L1+L2+L3]"
   for key in ("env_steps", "iterations", "policy_version", "success_rate", "rollout_env_steps"):
@@ -142,12 +176,11 @@ def test_two_process_async_run_trains_checkpoints_and_resumes(tmp_path):
   params, _ = checkpoint_lib.load_policy_params(os.path.join(workdir, "export"))
   assert np.all(np.isfinite(np.asarray(params["rl"]["value_out"]["kernel"])))
 
-  # Resume on both processes from the last checkpoint, to a larger budget.
-  port = _free_port()
-  runs = _run_processes(lambda i: _main_argv(workdir, port, i, "--config.resume=True",
-                                             f"--config.total_env_steps={2 * budget}"),
-                        2, timeout=800)
-  c, d = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+  # The job submitted again to the same workdir, with a larger budget (a requeue
+  # passes the same arguments): slurm.sbatch finds the checkpoint and resumes it.
+  (c, d), log = _sbatch(tmp_path, workdir, *smoke, f"--config.total_env_steps={2 * budget}",
+                        SLURM_RESTART_COUNT="1")
+  assert "the workdir holds a checkpoint: resuming it" in log
   assert c["env_steps"] == d["env_steps"] >= 2 * budget
   assert c["policy_version"] == d["policy_version"] > a["policy_version"]
   assert c["discarded_on_resume"] == d["discarded_on_resume"] is not None
