@@ -119,6 +119,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.ppo.num_epochs = 2  # Passes over each rollout.
   c.ppo.num_minibatches = 4  # Minibatches per pass.
   c.ppo.max_grad_norm = 1.0  # Global gradient-norm clip.
+  c.ppo.adam_b1 = 0.9  # Adam's first-moment decay (momentum) in the RL phase.
   # Divergence guard: an update (or BC step) whose loss, gradients or new params are not
   # finite is not applied (counted, logged).
   c.ppo.max_bad_updates = 3  # This many non-finite updates in a row stop the run.

@@ -33,7 +33,7 @@ from jaxvla.rollout import rollout as rollout_lib  # noqa: E402
 RTOL = ATOL = 1e-5
 
 
-def _well_conditioned_optimizer(learning_rate: float, max_grad_norm: float):
+def _well_conditioned_optimizer(learning_rate: float, max_grad_norm: float, b1: float = 0.9):
   """The learner's optimizer with Adam ``eps=1e-3`` instead of ``1e-8``.
 
   Adam's first steps map a gradient ``g`` to about ``lr * g / (|g| + eps)``: with
@@ -45,7 +45,7 @@ def _well_conditioned_optimizer(learning_rate: float, max_grad_norm: float):
   move by ~``lr``) such noise stays below 1e-9. The state tree is the same.
   """
   return optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                     optax.adam(learning_rate, eps=1e-3))
+                     optax.adam(learning_rate, b1=b1, eps=1e-3))
 
 
 def _close(name, got, want):

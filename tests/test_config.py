@@ -62,6 +62,9 @@ def test_locked_config_rejects_new_fields():
     ("env.group_size", 3, "config.env.group_size"),
     ("mesh.tensor", 0, "config.mesh.tensor"),
     ("ppo.ratio", "token", "config.ppo.ratio"),
+    ("ppo.value_targets", "critic", "config.ppo.value_targets"),
+    ("ppo.step_scale", "adaptive", "config.ppo.step_scale"),
+    ("ppo.adam_b1", 1.0, "config.ppo.adam_b1"),
 ])
 def test_inconsistent_values_name_the_key(key, value, match):
   c = default.get_config()

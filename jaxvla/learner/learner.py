@@ -64,8 +64,10 @@ class TrainState:
   rng: jax.Array
 
 
-def make_optimizer(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:
-  return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate))
+def make_optimizer(learning_rate: float, max_grad_norm: float,
+                   b1: float = 0.9) -> optax.GradientTransformation:
+  """Global-norm clipping, then Adam (``b1``: its first-moment decay, the momentum)."""
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate, b1=b1))
 
 
 def init_state(params: contract.Params, tx: optax.GradientTransformation,
@@ -162,7 +164,8 @@ class Learner:
     self.ppo_config = ppo_config
     self.objective = objectives.make_objective(policy, ppo_config)
     self.bc_tx = make_optimizer(bc_config.learning_rate, ppo_config.max_grad_norm)
-    self.ppo_tx = make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm)
+    self.ppo_tx = make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm,
+                                 b1=ppo_config.adam_b1)
     self.num_processes = jax.process_count()
     if mesh is None:
       if self.num_processes > 1:
