@@ -24,6 +24,7 @@ INSTALL_REQUIRES = [
     "tqdm",
     "rich",
     "matplotlib",
+    "imageio",  # notebooks/quickstart.ipynb writes its rollout GIF (through pillow)
     "numpy",
     "absl-py",
     "sentencepiece",  # Gemma / PaliGemma tokenizer
@@ -55,6 +56,10 @@ EXTRAS_REQUIRE = {
         "pytest-timeout",
         "pytest-xdist",  # the fast step runs on every core (launch/test.sh)
         "psutil",  # tests/test_pool.py checks no worker outlives the pool
+        # tests/test_notebook.py executes notebooks/quickstart.ipynb in a Jupyter kernel.
+        "nbclient",
+        "nbformat",
+        "ipykernel",
     ],
 }
 

@@ -12,6 +12,7 @@ needs and nothing else:
   ``jax.Array``s on the learner mesh (``jax.make_array_from_process_local_data``).
 * :func:`local_replica`: global arrays (gathered on the learner mesh) -> this
   process's copy on one of its devices (what its rollout and evaluation use).
+* :func:`host_seed`: each process's env seed, so hosts play different episodes.
 * :func:`sum_over_hosts`, :func:`broadcast_from_primary`: small host values
   (counters, flags, evaluation results) made equal on every process, so every
   process takes the same decisions (stop, evaluate, save) at the same update.
@@ -105,6 +106,15 @@ def is_primary() -> bool:
 
 def multi_process() -> bool:
   return jax.process_count() > 1
+
+
+# Per-process offset of env seeds (process 0 keeps the single-process seeds).
+_HOST_SEED_STRIDE = 1_000_003
+
+
+def host_seed(seed: int) -> int:
+  """This process's env seed for the run seed ``seed``: each host plays other episodes."""
+  return seed + _HOST_SEED_STRIDE * jax.process_index()
 
 
 # ----------------------------------------------------------------- arrays --

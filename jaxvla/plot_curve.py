@@ -2,17 +2,18 @@
 
 ``python -m jaxvla.plot_curve --workdir=DIR --out=docs/learning_curve.png``
 draws evaluation success (and the warm-start level) and the recent training
-success against RL env steps.
+success against RL env steps. In a notebook, ``plot(load(workdir))`` returns the
+figure (shown inline) without writing a file.
 """
+
+from __future__ import annotations
 
 import json
 import os
 
 import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from absl import app, flags  # noqa: E402
+import matplotlib.pyplot as plt
+from absl import app, flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding metrics.jsonl.",
                                required=True)
@@ -30,7 +31,9 @@ def load(workdir: str) -> dict[str, list[dict]]:
   return out
 
 
-def plot(records: dict[str, list[dict]], out: str, title: str) -> None:
+def plot(records: dict[str, list[dict]], out: str | None = None,
+         title: str = "ColorReach, tiny flow VLA, PPO") -> matplotlib.figure.Figure:
+  """Draws the curve of :func:`load`'s ``records``; writes it to ``out`` (a PNG) if given."""
   fig, ax = plt.subplots(figsize=(7, 4))
   ev = records.get("eval", [])
   warm = records.get("warm_start", [])
@@ -48,13 +51,17 @@ def plot(records: dict[str, list[dict]], out: str, title: str) -> None:
   ax.grid(alpha=0.3)
   ax.legend(loc="lower right", fontsize=8)
   ax.set_title(title, fontsize=10)
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   fig.tight_layout()
-  fig.savefig(out, dpi=120)
+  if out:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+  return fig
 
 
 def main(argv):
   del argv
+  # A file, never a window (set here, not at import: a notebook keeps its inline backend).
+  matplotlib.use("Agg")
   plot(load(_WORKDIR.value), _OUT.value, _TITLE.value)
   print(_OUT.value)
 

@@ -152,16 +152,9 @@ def _evaluate(config, s: Setup, params, rng) -> dict[str, float]:
   else:  # The same episodes every time (fixed seed) so evaluations compare paired.
     result = evaluate_lib.evaluate(normalized.wrap(s.eval_env, s.normalizer), s.policy,
                                     s.act_eval, params, rng,
-                                    seed=config.seed + 12345, chunk_len=config.model.chunk_len)
+                                    seed=config.seed + evaluate_lib.EVAL_SEED_OFFSET,
+                                    chunk_len=config.model.chunk_len)
   return distributed.broadcast_from_primary(result)
-
-
-# Per-process offset of env seeds (process 0 keeps the single-process seeds).
-_HOST_SEED_STRIDE = 1_000_003
-
-
-def _host_seed(seed: int) -> int:
-  return seed + _HOST_SEED_STRIDE * jax.process_index()
 
 
 def demonstrations(config, workdir: str, spec: protocol.EnvSpec
@@ -397,7 +390,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
   if not config.resume:  # (a resume's, once its checkpoint is known to fit)
     write_config()
   rng = jax.random.PRNGKey(config.seed)
-  env = make_vec_env(config.env, config.num_envs, _host_seed(config.seed),
+  env = make_vec_env(config.env, config.num_envs, distributed.host_seed(config.seed),
                      num_workers=config.env_workers, step_timeout_s=config.env_step_timeout_s,
                      hang_floor_s=config.env_hang_floor_s)
   setup_key, rollout_key, eval_key = jax.random.split(rng, 3)
@@ -422,7 +415,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
   pipe = pipeline_lib.Pipeline(config, s.policy, s.learner, normalized.wrap(env, s.normalizer),
                                s.act_train, s.value_fn,
                                s.rollout_sharding, jax.random.fold_in(rollout_key, run.iteration),
-                               seed=_host_seed(config.seed + run.iteration),
+                               seed=distributed.host_seed(config.seed + run.iteration),
                                version=int(state.step), ledger=ledger)
   resumed_at = run.env_steps
   discarded = {unit: checkpointed.in_flight(unit) for unit in ledger_lib.UNITS}

@@ -48,7 +48,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxvla import config_checks, plot_timeline, sharding as sharding_lib
+from jaxvla import config_checks, distributed, plot_timeline, sharding as sharding_lib
 from jaxvla.bench import envs as env_bench
 from jaxvla.envs import make_vec_env
 from jaxvla.learner import learner as learner_lib
@@ -97,33 +97,54 @@ def mode_config(base: ml_collections.ConfigDict, name: str) -> ml_collections.Co
   return c
 
 
-class _Parts:
-  """What every mode shares: the policy, its params and the learner."""
+class Parts:
+  """What every mode shares: the policy, its params and the learner.
 
-  def __init__(self, config: ml_collections.ConfigDict, spec):
+  ``mesh``: the learner mesh (None: one device). A multi-process run
+  (``jaxvla.bench.scaling``) passes one over every process's devices, as
+  ``jaxvla.train`` builds it.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, spec,
+               mesh: jax.sharding.Mesh | None = None):
     self.policy = policy_lib.make_policy(config.model, spec)
     self.params = jax.device_get(self.policy.init(jax.random.PRNGKey(config.seed)))
     self.act = jax.jit(functools.partial(self.policy.act, mode="train"))
     self.value = jax.jit(self.policy.value)
+    self.mesh = mesh
 
   def learner(self, config) -> learner_lib.Learner:
-    return learner_lib.Learner(self.policy, config.bc, config.ppo)
+    return learner_lib.Learner(self.policy, config.bc, config.ppo, mesh=self.mesh,
+                               rules=config.mesh.rules)
 
   def state(self, learner: learner_lib.Learner):
-    return learner_lib.init_state(jax.device_put(self.params), learner.ppo_tx,
-                                  jax.random.PRNGKey(1))
+    if self.mesh is None:
+      return learner_lib.init_state(jax.device_put(self.params), learner.ppo_tx,
+                                    jax.random.PRNGKey(1))
+    # (every process holds the same host params: placed into the mesh's shards)
+    return learner.shard_state(learner_lib.init_state(self.params, learner.ppo_tx,
+                                                      jax.random.PRNGKey(1)))
 
 
-def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
-  """Throughput of one mode over ``--updates`` timed updates."""
+def run_mode(base: ml_collections.ConfigDict, name: str, parts: Parts) -> dict:
+  """Throughput of one mode over ``--updates`` timed updates.
+
+  Multi-process: every process calls it; the env-step rates are every process's
+  steps together (the pipeline sums them at each update), the busy fractions this
+  process's.
+  """
   c = mode_config(base, name)
-  env = make_vec_env(c.env, c.num_envs, c.seed, num_workers=c.env_workers,
+  seed = distributed.host_seed(c.seed)  # (each process plays its own episodes)
+  env = make_vec_env(c.env, c.num_envs, seed, num_workers=c.env_workers,
                      step_timeout_s=c.env_step_timeout_s, hang_floor_s=c.env_hang_floor_s)
   learner = parts.learner(c)
   state = parts.state(learner)
+  rng = jax.random.PRNGKey(2)
+  if distributed.multi_process():  # Each process samples its own actions (as train does).
+    rng = jax.random.fold_in(rng, jax.process_index())
   pipe = pipeline_lib.Pipeline(c, parts.policy, learner, env, parts.act, parts.value,
-                               sharding_lib.rollout_sharding(jax.local_devices()),
-                               jax.random.PRNGKey(2), seed=c.seed)
+                               sharding_lib.rollout_sharding(jax.local_devices()), rng,
+                               seed=seed)
   marks, trained = [], [0]
 
   def on_update(info):
@@ -148,7 +169,8 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: _Parts) -> dict:
   row = dict(mode=name, pipeline=pipe.mode_name, env_steps_per_s=min(trained_rate, usable_rate),
              trained_env_steps_per_s=trained_rate, usable_rollout_env_steps_per_s=usable_rate,
              rollout_env_steps_per_s=(r1 - r0) / (t1 - t0),
-             updates=_UPDATES.value, seconds=t1 - t0,
+             # (a multi-process stop is agreed one update after it is asked for)
+             updates=len(marks) - _WARMUP.value, seconds=t1 - t0,
              staleness_control=c.pipeline.staleness_control,
              staleness_mean=stats.get("staleness_mean", 0.0),
              dropped_env_steps=int(stats["queue_dropped_env_steps"]),
@@ -175,7 +197,7 @@ def on_update_limit(fn, total: int, pipe: pipeline_lib.Pipeline):
   return wrapped
 
 
-def stage_rates(base: ml_collections.ConfigDict, parts: _Parts) -> dict[str, float]:
+def stage_rates(base: ml_collections.ConfigDict, parts: Parts) -> dict[str, float]:
   """Standalone env, inference and learner rates (env steps/s)."""
   c = mode_config(base, "+rollout_async")
   seconds = _STAGE_SECONDS.value
@@ -224,7 +246,7 @@ def main(argv):
   probe = make_vec_env(base.env, 1, 0, num_workers=0, step_timeout_s=60)
   spec = probe.spec
   probe.close()
-  parts = _Parts(base, spec)
+  parts = Parts(base, spec)
   print(f"# {platform.machine()} {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; env={base.env.name} "
         f"num_envs={base.num_envs} env_workers={base.env_workers} rollout_len={base.rollout_len} "

@@ -128,6 +128,11 @@ class ColorReach:
     self.latency_ms = latency_ms
     self.latency_sigma = latency_sigma
     self.spec = _spec(image_size, max_episode_steps)
+    # Called after every executed step of step_chunk, before any auto-reset, with the
+    # camera images uint8 [B, S, S, 3], the envs that executed the step bool [B] and
+    # those whose episode ended on it bool [B]. Observations come once per chunk; a
+    # video needs every step (jaxvla.envs.frames records them).
+    self.frame_hook = None
     # Pixel-centre coordinates in world units, [S].
     self._pix = (np.arange(image_size) + 0.5) / image_size * 2.0 - 1.0
     self.agent = np.zeros((num_envs, 2), np.float32)
@@ -248,6 +253,8 @@ class ColorReach:
       success |= hit_goal
       terminated |= hit_goal | hit_other
       truncated |= timeout
+      if self.frame_hook is not None:
+        self.frame_hook(self.render(), active.copy(), hit_goal | hit_other | timeout)
       active &= ~(hit_goal | hit_other | timeout)
       if not active.any():
         break

@@ -43,6 +43,9 @@ class EpisodeTracker:
 # The keys of evaluate()'s result.
 EVAL_KEYS = ("success_rate", "episode_return", "episode_length", "num_episodes",
              "eval_env_steps")
+# A run's evaluations reset their envs with config.seed + this: the same episodes at
+# every evaluation of the run, and for its export evaluated later (jaxvla.exported).
+EVAL_SEED_OFFSET = 12345
 
 
 def evaluate(env: protocol.VecEnv, policy: contract.Policy, act_fn: Callable, params,
