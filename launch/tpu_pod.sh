@@ -441,7 +441,7 @@ ship_code() {
     fi
   fi
   if ((dry_run)); then
-    tmp=/tmp/jaxvla-XXXXXX  # (mktemp -d)
+    tmp=/tmp/jaxvla-XXXXXX  # Dry run: shown in place of the directory mktemp -d would make.
   else
     tmp="$(mktemp -d)"
     # shellcheck disable=SC2064  # (expanded now: the path is fixed)

@@ -240,6 +240,20 @@ def stage_rates(base: ml_collections.ConfigDict, parts: Parts) -> dict[str, floa
   return dict(env=env_rate, inference=inference_rate, learner=learner_rate)
 
 
+def print_header(base: ml_collections.ConfigDict, device: str, scope: str, updates: int,
+                 warmup: int) -> None:
+  """The benchmark's '#' lines: machine, ``device``, the config's sizes (``scope``:
+  e.g. 'per process: '), the timed updates and the built-in env's slept latency."""
+  print(f"# {platform.machine()} {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
+        f"jax {jax.__version__} {device}; {scope}env={base.env.name} "
+        f"num_envs={base.num_envs} env_workers={base.env_workers} rollout_len={base.rollout_len} "
+        f"chunk={base.model.chunk_len} model={base.model.name}/{base.model.variant}; "
+        f"{updates} timed updates after {warmup}", flush=True)
+  if base.env.name == "builtin":
+    print(f"# builtin env latency {base.env.latency_ms:g} ms median per step, log-normal "
+          f"sigma {base.env.latency_sigma:g} (long tail, slept)", flush=True)
+
+
 def main(argv):
   del argv
   base = _CONFIG.value
@@ -247,14 +261,7 @@ def main(argv):
   spec = probe.spec
   probe.close()
   parts = Parts(base, spec)
-  print(f"# {platform.machine()} {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
-        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; env={base.env.name} "
-        f"num_envs={base.num_envs} env_workers={base.env_workers} rollout_len={base.rollout_len} "
-        f"chunk={base.model.chunk_len} model={base.model.name}/{base.model.variant}; "
-        f"{_UPDATES.value} timed updates after {_WARMUP.value}", flush=True)
-  if base.env.name == "builtin":
-    print(f"# builtin env latency {base.env.latency_ms:g} ms median per step, log-normal "
-          f"sigma {base.env.latency_sigma:g} (long tail)", flush=True)
+  print_header(base, f"on {jax.devices()[0].device_kind}", "", _UPDATES.value, _WARMUP.value)
   rates = stage_rates(base, parts)
   slowest = min(rates, key=rates.get)
   print(f"{'stage (standalone)':<24}{'env steps/s':>12}")

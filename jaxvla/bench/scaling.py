@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -178,14 +177,8 @@ def main(argv):
   modes = FLAGS.modes
   for name in modes:
     bench_pipeline.mode_config(base, name)  # An unknown mode or a bad config fails here.
-  print(f"# {platform.machine()} {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
-        f"jax {jax.__version__}; per process: env={base.env.name} num_envs={base.num_envs} "
-        f"env_workers={base.env_workers} rollout_len={base.rollout_len} "
-        f"chunk={base.model.chunk_len} model={base.model.name}/{base.model.variant}, one CPU "
-        f"device; {FLAGS.updates} timed updates after {FLAGS.warmup}", flush=True)
-  if base.env.name == "builtin":
-    print(f"# builtin env latency {base.env.latency_ms:g} ms median per step, log-normal "
-          f"sigma {base.env.latency_sigma:g}, slept", flush=True)
+  bench_pipeline.print_header(base, "on one CPU device per process", "per process: ",
+                              FLAGS.updates, FLAGS.warmup)
   # Everything after the program name is passed on to the workers (config overrides too).
   passed = sys.argv[1:]
   by_count = {}
