@@ -319,6 +319,44 @@ def load_policy_params(directory: str, abstract_params=None):
   return params, config
 
 
+def load_checkpoint_params(directory: str, step: int | None = None):
+  """The policy parameters alone of a run's checkpoint, and its ``meta``.
+
+  Only ``params`` is read (``partial_restore``): the optimizer state, twice the
+  parameters' size, stays on disk. Every array lands whole on the first local device.
+
+  Args:
+    directory: a run's ``checkpoints/`` directory.
+    step: the step to read (default: the newest).
+
+  Returns:
+    ``(step, params, meta)``.
+
+  Raises:
+    CheckpointError: ``directory`` holds no checkpoint, or no such ``step``.
+  """
+  directory = os.path.abspath(directory)
+  steps = sorted(ocp.utils.checkpoint_steps(directory)) if os.path.isdir(directory) else []
+  if not steps:
+    raise CheckpointError(f"{directory} holds no checkpoint")
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise CheckpointError(f"{directory} has no checkpoint {step} (it has {steps})")
+  path = os.path.join(directory, str(step), "state")
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  with ocp.PyTreeCheckpointer() as ckptr:
+    stored = ckptr.metadata(path).item_metadata.tree["params"]
+    abstract = {"params": jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), stored)}
+    restored = ckptr.restore(path, args=ocp.args.PyTreeRestore(
+        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True))
+  with open(os.path.join(directory, str(step), "meta", "metadata"), encoding="utf-8") as f:
+    meta = json.load(f)
+  return step, restored["params"], meta
+
+
 def abstract_like(tree):
   """ShapeDtypeStructs (with shardings) of a concrete pytree."""
   return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)

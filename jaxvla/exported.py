@@ -3,9 +3,8 @@
 An export (``<workdir>/export``, written by :func:`jaxvla.checkpoint.export_policy`)
 holds the policy's params, the run's config (``config.json``) and, for a run with
 ``data.normalize``, its normalisation (``norm_stats.json``). This module loads it
-with the repository's loaders (:func:`jaxvla.checkpoint.load_policy_params`,
-:func:`jaxvla.data.norm_stats.load_normalizer`), builds the policy and the env from
-the export's config, and plays episodes through jaxvla's own evaluation
+through :func:`jaxvla.policy_io.load`, builds the env from the export's config,
+and plays episodes through jaxvla's own evaluation
 (:func:`jaxvla.rollout.evaluate.evaluate`, the config's evaluation sampler). By
 default they are the episodes the run's evaluations played (the same reset seed),
 so the figures compare with the run's; the sampler's noise key is this call's own.
@@ -17,24 +16,18 @@ so the figures compare with the run's; the sampler's noise key is this call's ow
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import ml_collections
 
-from jaxvla import checkpoint
-from jaxvla.data import norm_stats
+from jaxvla import policy_io
 from jaxvla.envs import frames as frames_lib
 from jaxvla.envs import make_vec_env, normalized
-from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import evaluate as evaluate_lib
 
 
 def _play(export_dir: str, num_episodes: int | None, seed: int | None, record: bool
           ) -> tuple[dict[str, float], list[frames_lib.Episode] | None]:
-  params, config_dict = checkpoint.load_policy_params(export_dir)
-  config = ml_collections.ConfigDict(config_dict)
-  normalizer = norm_stats.load_normalizer(export_dir)
+  loaded = policy_io.load(export_dir)
+  config = loaded.config
   n = config.eval.num_episodes if num_episodes is None else num_episodes
   env_config = config.env.copy_and_resolve_references()
   env_config.group_size = 1  # Independent episodes, as the run's evaluations play them.
@@ -45,11 +38,9 @@ def _play(export_dir: str, num_episodes: int | None, seed: int | None, record: b
                      hang_floor_s=config.env_hang_floor_s)
   try:
     recorder = frames_lib.FirstEpisodeFrames(env) if record else None
-    policy = policy_lib.make_policy(config.model, env.spec)
-    act = jax.jit(functools.partial(policy.act, mode="eval"))
     result = evaluate_lib.evaluate(
-        normalized.wrap(recorder or env, normalizer), policy, act, params,
-        jax.random.PRNGKey(config.seed),
+        normalized.wrap(recorder or env, loaded.normalizer), loaded.policy, loaded.act_fn(),
+        loaded.params, jax.random.PRNGKey(config.seed),
         seed=config.seed + evaluate_lib.EVAL_SEED_OFFSET if seed is None else seed,
         chunk_len=config.model.chunk_len)
   finally:

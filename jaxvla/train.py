@@ -37,7 +37,8 @@ import ml_collections
 import numpy as np
 
 from jaxvla import checkpoint as checkpoint_lib
-from jaxvla import config_checks, distributed, metrics as metrics_lib, sharding as sharding_lib
+from jaxvla import config_checks, distributed, metrics as metrics_lib, policy_io
+from jaxvla import sharding as sharding_lib
 from jaxvla import workdir as workdir_lib
 from jaxvla.data import collect as collect_lib
 from jaxvla.data import config as data_config
@@ -476,6 +477,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
                                             write_config=distributed.is_primary())
   if distributed.is_primary():  # (the export acts correctly with nothing else)
     norm_lib.save_normalizer(export_dir, s.normalizer)
+    policy_io.write_spec(export_dir, s.spec)
   wall_s = time.perf_counter() - t_start
   summary = dict(
       # Rates over this process's life: after a resume, the steps it ran in its time.

@@ -1,5 +1,6 @@
 """Environments: the chunked VecEnv protocol, the built-in env and simulator adapters."""
 
+import dataclasses
 import importlib
 
 import ml_collections
@@ -39,6 +40,39 @@ def make_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
       total_envs=total_envs)
 
 
+def spec_from_config(config: ml_collections.ConfigDict) -> EnvSpec:
+  """The spec of the env ``config`` (the ``env`` sub-config) names.
+
+  ColorReach's and LIBERO's are known without building the env (no simulator
+  needed); ManiSkill3's state size depends on the task, so one env is built and
+  closed to read it.
+  """
+  if config.name in ("builtin", "libero"):
+    return importlib.import_module(_ENV_MODULES[config.name]).spec_from_config(config)
+  probe = make_env(config, 1, 0, group_size=1)
+  try:
+    return probe.spec
+  finally:
+    probe.close()
+
+
+def spec_to_json(spec: EnvSpec) -> dict:
+  """``spec`` as a JSON-able dict (an export's ``env_spec.json``)."""
+  return dataclasses.asdict(spec)
+
+
+def spec_from_json(body: dict, where: str) -> EnvSpec:
+  """The inverse of :func:`spec_to_json`; ``where`` (a file) is named in errors."""
+  fields = {f.name for f in dataclasses.fields(EnvSpec)}
+  if not isinstance(body, dict) or set(body) != fields:
+    raise ValueError(f"{where}: expected the keys {sorted(fields)}, got "
+                     f"{sorted(body) if isinstance(body, dict) else type(body).__name__}")
+  return EnvSpec(camera_names=tuple(body["camera_names"]),
+                 image_shape=tuple(body["image_shape"]), state_dim=int(body["state_dim"]),
+                 action_dim=int(body["action_dim"]),
+                 max_episode_steps=int(body["max_episode_steps"]))
+
+
 def make_vec_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
                  num_workers: int, step_timeout_s: float,
                  hang_floor_s: float = 10.0) -> VecEnv:
@@ -68,4 +102,4 @@ def make_vec_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
 
 
 __all__ = ["ChunkStep", "EnvSpec", "EpisodeStats", "Observation", "VecEnv", "make_env",
-           "make_vec_env"]
+           "make_vec_env", "spec_from_config", "spec_from_json", "spec_to_json"]

@@ -70,6 +70,17 @@ def quat2axisangle(quat: np.ndarray) -> np.ndarray:
   return quat[:3] * 2.0 * math.acos(quat[3]) / den
 
 
+def spec_from_config(config: ml_collections.ConfigDict) -> protocol.EnvSpec:
+  """The spec of the env :func:`make` builds from the ``env`` sub-config, without
+  building it (nor importing LIBERO): a policy server or an export check needs it
+  on machines without the simulator."""
+  suite, _ = parse_task(config.task)
+  return protocol.EnvSpec(
+      camera_names=tuple(c[:-len("_image")] for c in CAMERAS),
+      image_shape=(config.image_size, config.image_size, 3), state_dim=STATE_DIM,
+      action_dim=ACTION_DIM, max_episode_steps=config.max_episode_steps or SUITE_MAX_STEPS[suite])
+
+
 class LiberoEnv(instances.InstanceBatch):
   """``count`` instances of one LIBERO task (implements :class:`protocol.VecEnv`).
 
@@ -115,10 +126,8 @@ class LiberoEnv(instances.InstanceBatch):
                                camera_widths=image_size, hard_reset=False)
       env.seed(int(seed + i) % 2**32)
       self._envs.append(env)
-    self.spec = protocol.EnvSpec(
-        camera_names=tuple(c[:-len("_image")] for c in CAMERAS),
-        image_shape=(image_size, image_size, 3), state_dim=STATE_DIM, action_dim=ACTION_DIM,
-        max_episode_steps=max_episode_steps or SUITE_MAX_STEPS[suite_name])
+    self.spec = spec_from_config(ml_collections.ConfigDict(dict(
+        task=task, image_size=image_size, max_episode_steps=max_episode_steps)))
     self._seed = seed
     self._reset_all()
 

@@ -59,10 +59,25 @@ class Observation:
     images: ``uint8 [B, N_cam, H, W, 3]``, cameras in ``EnvSpec.camera_names`` order.
     state: ``float32 [B, S]`` proprioceptive state.
     instruction: ``object [B]`` array of instruction strings.
+    image_mask: ``bool [B, N_cam]``: whether each camera image is real. A masked
+      camera (a placeholder where a robot or dataset has no such camera) is left out
+      of the policy's attention and position numbering, as openpi masks one (its
+      LIBERO setup masks pi0's right-wrist camera). ``None`` (the default) is read
+      as every camera valid, which is what every simulator adapter reports.
   """
   images: np.ndarray
   state: np.ndarray
   instruction: np.ndarray
+  image_mask: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.image_mask is None:
+      self.image_mask = np.ones(self.images.shape[:2], bool)
+    else:
+      self.image_mask = np.asarray(self.image_mask, bool)
+      if self.image_mask.shape != self.images.shape[:2]:
+        raise ValueError(f"Observation.image_mask has shape {self.image_mask.shape}; "
+                         f"the images need [B, N_cam] = {self.images.shape[:2]}")
 
   @property
   def batch_size(self) -> int:
@@ -70,7 +85,8 @@ class Observation:
 
   def take(self, idx: np.ndarray) -> "Observation":
     """Returns the sub-batch at integer indices ``idx`` ``[b]``."""
-    return Observation(self.images[idx], self.state[idx], self.instruction[idx])
+    return Observation(self.images[idx], self.state[idx], self.instruction[idx],
+                       self.image_mask[idx])
 
   @classmethod
   def empty(cls, spec: EnvSpec) -> "Observation":
@@ -85,7 +101,8 @@ def concat_observations(parts: list[Observation]) -> Observation:
     raise ValueError("concat_observations needs at least one Observation")
   return Observation(np.concatenate([p.images for p in parts]),
                      np.concatenate([p.state for p in parts]),
-                     np.concatenate([p.instruction for p in parts]))
+                     np.concatenate([p.instruction for p in parts]),
+                     np.concatenate([p.image_mask for p in parts]))
 
 
 @dataclasses.dataclass
