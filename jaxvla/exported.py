@@ -39,7 +39,7 @@ def _play(export_dir: str, num_episodes: int | None, seed: int | None, record: b
   try:
     recorder = frames_lib.FirstEpisodeFrames(env) if record else None
     result = evaluate_lib.evaluate(
-        normalized.wrap(recorder or env, loaded.normalizer), loaded.policy, loaded.act_fn(),
+        normalized.wrap(recorder or env, loaded.normalizer), loaded.policy, evaluate_lib.row_keyed_act(loaded.policy),
         loaded.params, jax.random.PRNGKey(config.seed),
         seed=config.seed + evaluate_lib.EVAL_SEED_OFFSET if seed is None else seed,
         chunk_len=config.model.chunk_len)

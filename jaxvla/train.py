@@ -118,7 +118,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
       learner=learner_lib.Learner(policy, config.bc, config.ppo, mesh=mesh,
                                   rules=config.mesh.rules),
       act_train=jax.jit(functools.partial(policy.act, mode="train")),
-      act_eval=jax.jit(functools.partial(policy.act, mode="eval")),
+      act_eval=evaluate_lib.row_keyed_act(policy),
       value_fn=jax.jit(policy.value),
       # Evaluation and demonstrations play independent episodes (no GRPO groups).
       eval_env=_eval_env(config) if distributed.is_primary() else None,

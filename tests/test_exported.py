@@ -15,7 +15,6 @@ Checked:
 
 from __future__ import annotations
 
-import functools
 import os
 
 import jax
@@ -120,7 +119,7 @@ def test_evaluate_export_applies_its_norm_stats_on_the_runs_episodes(tmp_path):
   n = 4
   env_config = c.env.copy_and_resolve_references()
   env_config.group_size = 1
-  act = jax.jit(functools.partial(policy.act, mode="eval"))
+  act = evaluate_lib.row_keyed_act(policy)
 
   def direct(transform):
     env = make_env(env_config, n, 0)

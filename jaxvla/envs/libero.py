@@ -60,6 +60,19 @@ def parse_task(task: str) -> tuple[str, int]:
   return suite, int(index)
 
 
+def suite_tasks(suite: str) -> list[str]:
+  """Every task of ``suite`` as ``'<suite>/<index>'``, in LIBERO's order.
+
+  Raises:
+    ValueError: naming the suite and the valid ones when it is not a suite.
+  """
+  if suite not in SUITE_MAX_STEPS:
+    raise ValueError(f"--suite={suite!r} is not a LIBERO suite; choose one of "
+                     f"{sorted(SUITE_MAX_STEPS)}")
+  from libero.libero import benchmark  # pylint: disable=import-outside-toplevel
+  return [f"{suite}/{i}" for i in range(benchmark.get_benchmark_dict()[suite]().get_num_tasks())]
+
+
 def quat2axisangle(quat: np.ndarray) -> np.ndarray:
   """Quaternion ``(x, y, z, w)`` ``[4]`` -> axis-angle ``[3]`` (as robosuite / openpi)."""
   quat = np.asarray(quat, np.float64).copy()
