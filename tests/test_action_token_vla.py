@@ -34,7 +34,8 @@ def _setup(config, n=4):
 
 def _decode(s, rng, greedy):
   b = s["batch"]
-  return s["decode"](s["params"], b["images"], b["tokens"], b["token_mask"], rng, greedy=greedy)
+  return s["decode"](s["params"], b["images"], b["tokens"], b["token_mask"], b["image_mask"], rng,
+                     greedy=greedy)
 
 
 def test_act_shapes_bins_and_normalised(smoke_config):
@@ -87,7 +88,7 @@ def test_log_prob_matches_numpy_log_softmax(smoke_config):
   tokens = np.asarray(out.chain[:, 0]).astype(np.int64).reshape(4, -1)  # (h, a) order
   b = s["batch"]
   hidden, _, _ = s["teacher_forced"](s["params"], b["images"], b["tokens"], b["token_mask"],
-                                     tokens)
+                                     b["image_mask"], tokens)
   table = np.asarray(s["params"]["PaliGemma"]["llm"]["embedder"]["input_embedding"], np.float64)
   logits = (np.asarray(hidden, np.float64) @ table.T)[..., -nb:]  # the LAST num_bins ids
   logits -= logits.max(-1, keepdims=True)

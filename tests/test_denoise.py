@@ -81,7 +81,7 @@ def test_policy_log_prob_matches_scipy(smoke_config, name, sampler):
   batch = pol.prepare(env.observe())
   out = pol.act(params, batch, jax.random.PRNGKey(1), "train")
   prefix = pi0.encode_prefix(pol.net, params, batch["images"], batch["tokens"],
-                            batch["token_mask"])
+                            batch["token_mask"], batch["image_mask"])
   chain = np.asarray(out.chain, np.float64)
   ts = np.linspace(1.0, 0.0, pol.num_steps + 1)
   ref = np.zeros(3)

@@ -78,10 +78,11 @@ def test_cached_denoising_equals_joint_pass(smoke_config, name):
   params = jax.tree.map(lambda x: x + 0.02 * jnp.sin(jnp.arange(x.size).reshape(x.shape)),
                         params)
   prefix = pi0.encode_prefix(pol.net, params, batch["images"], batch["tokens"],
-                             batch["token_mask"])
+                             batch["token_mask"], batch["image_mask"])
   v_cached, std_cached = pi0.velocity(pol.net, params, prefix, batch["state"], x_t, t)
   v_joint, std_joint = pi0.velocity_uncached(pol.net, params, batch["images"], batch["tokens"],
-                                             batch["token_mask"], batch["state"], x_t, t)
+                                             batch["token_mask"], batch["image_mask"],
+                                             batch["state"], x_t, t)
   np.testing.assert_allclose(v_cached, v_joint, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(std_cached, std_joint, rtol=1e-4, atol=1e-5)
   # Time and language both reach the velocity.
@@ -97,7 +98,8 @@ def test_padding_tokens_do_not_change_the_velocity(smoke_config):
   other = dict(batch, tokens=np.where(batch["token_mask"], batch["tokens"], 5))
   x_t, t = jnp.ones((3, pol.chunk_len, pol.net.action_dim)), jnp.full((3,), 0.5)
   v = [pi0.velocity(pol.net, params, pi0.encode_prefix(pol.net, params, b["images"], b["tokens"],
-                                                       b["token_mask"]), b["state"], x_t, t)[0]
+                                                       b["token_mask"], b["image_mask"]),
+                    b["state"], x_t, t)[0]
        for b in (batch, other)]
   np.testing.assert_allclose(v[0], v[1], rtol=1e-5, atol=1e-6)
 

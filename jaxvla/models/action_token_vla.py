@@ -21,7 +21,8 @@ against the bin rows of the table only, which equals slicing the full logits).
 
 Tree: ``PaliGemma/{img, llm}`` with openpi's keys (so PaliGemma weights from an openpi
 checkpoint load) plus ``rl/{value_hidden, value_out}``, the value head on the masked mean of
-the decoder's prefix outputs (pi0's 'prefix' value source). Variants ``tiny`` / ``small`` /
+the decoder's prefix outputs (pi0's 'prefix' value source). Per-camera image masks work as
+pi0's (:func:`jaxvla.models.pi0.image_token_mask`): a masked camera is invisible. Variants ``tiny`` / ``small`` /
 ``full`` reuse the LLM and ViT of :data:`jaxvla.models.pi0.VARIANTS` (full: PaliGemma 2B +
 So400m/14, vocabulary 257152).
 """
@@ -148,11 +149,12 @@ def bin_centers(indices: jax.Array, num_bins: int) -> jax.Array:
 
 # ------------------------------------------------------------------ network --
 def embed_prefix(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax.Array,
-                 token_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 token_mask: jax.Array, image_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Prefix embeddings ``[B, P, D]`` and mask ``bool [B, P]`` (image tokens, then language).
 
   As :func:`jaxvla.models.pi0.embed_prefix`. images: ``uint8 [B, N, H, W, 3]``; tokens
-  ``int32 [B, L]``; token_mask ``bool [B, L]``.
+  ``int32 [B, L]``; token_mask ``bool [B, L]``; image_mask ``bool [B, N]`` (a False
+  camera's tokens are left out of attention and positions, as in openpi).
   """
   dtype = cfg.compute_dtype
   b, n, h, w, c = images.shape
@@ -160,9 +162,11 @@ def embed_prefix(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax
   if (h, w) != (cfg.image_size, cfg.image_size):
     x = jax.image.resize(x, (b * n, cfg.image_size, cfg.image_size, c), "bilinear")
   img = siglip.encode(cfg.vit, p["PaliGemma"]["img"], x, dtype=dtype, remat=cfg.remat)
-  img = img.reshape(b, n * img.shape[1], img.shape[2])
+  per_image = img.shape[1]
+  img = img.reshape(b, n * per_image, img.shape[2])
   text = gemma.embed(p["PaliGemma"]["llm"], tokens, dtype)
-  mask = jnp.concatenate([jnp.ones(img.shape[:2], bool), token_mask.astype(bool)], axis=1)
+  mask = jnp.concatenate([pi0.image_token_mask(image_mask, images, per_image),
+                          token_mask.astype(bool)], axis=1)
   return jnp.concatenate([img, text], axis=1), mask
 
 
@@ -187,9 +191,10 @@ def value(cfg: ActionTokenConfig, p: dict, prefix_hidden: jax.Array,
 
 
 def encode_prefix(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax.Array,
-                  token_mask: jax.Array) -> tuple[jax.Array, jax.Array, gemma.KVCache]:
+                  token_mask: jax.Array,
+                  image_mask: jax.Array) -> tuple[jax.Array, jax.Array, gemma.KVCache]:
   """The bidirectional prefix pass: hidden ``[B, P, D]``, mask ``[B, P]``, KV ``[L, B, P, K, H]``."""
-  x, mask = embed_prefix(cfg, p, images, tokens, token_mask)
+  x, mask = embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
   attn = layers.prefix_lm_mask(mask, jnp.zeros(mask.shape[1], jnp.int32))
   (hidden,), kv = gemma.forward([cfg.llm], p["PaliGemma"]["llm"], [x],
                                 positions=jnp.cumsum(mask, axis=1) - 1, mask=attn,
@@ -198,7 +203,7 @@ def encode_prefix(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: ja
 
 
 def decode(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax.Array,
-           token_mask: jax.Array, rng: jax.Array, *, greedy: bool):
+           token_mask: jax.Array, image_mask: jax.Array, rng: jax.Array, *, greedy: bool):
   """Autoregressive decoding of one chunk with a KV cache (jittable, static shapes).
 
   One prefix pass fills the cache; then ``H * A`` single-token steps (``lax.scan``) run
@@ -207,6 +212,7 @@ def decode(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax.Array
   out) and its key/value are written at ``P + t`` with ``dynamic_update_slice``.
 
   Args:
+    image_mask: ``bool [B, N_cam]`` (see :func:`embed_prefix`).
     greedy: argmax of each categorical, else sample it (temperature 1).
 
   Returns:
@@ -215,7 +221,7 @@ def decode(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax.Array
   """
   llm = p["PaliGemma"]["llm"]
   dtype = cfg.compute_dtype
-  hidden, mask, (k, v) = encode_prefix(cfg, p, images, tokens, token_mask)
+  hidden, mask, (k, v) = encode_prefix(cfg, p, images, tokens, token_mask, image_mask)
   b, num_prefix = mask.shape
   n = cfg.num_tokens
   pad = ((0, 0), (0, 0), (0, n), (0, 0), (0, 0))
@@ -245,10 +251,11 @@ def decode(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax.Array
 
 
 def teacher_forced(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax.Array,
-                   token_mask: jax.Array, action_tokens: jax.Array):
+                   token_mask: jax.Array, image_mask: jax.Array, action_tokens: jax.Array):
   """One uncached pass over ``[prefix, <bos>, action_tokens[:, :-1]]`` (training path).
 
   Args:
+    image_mask: ``bool [B, N_cam]`` (see :func:`embed_prefix`).
     action_tokens: ``int [B, H * A]`` bin indices (not vocabulary ids).
 
   Returns:
@@ -256,7 +263,7 @@ def teacher_forced(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: j
     ``[B, P, D]`` and prefix mask ``[B, P]`` (the prefix never attends to the actions).
   """
   llm = p["PaliGemma"]["llm"]
-  x, mask = embed_prefix(cfg, p, images, tokens, token_mask)
+  x, mask = embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
   b, num_prefix = mask.shape
   n = action_tokens.shape[1]
   ids = jnp.concatenate([jnp.full((b, 1), cfg.bos_id, jnp.int32),
@@ -316,7 +323,8 @@ class ActionTokenPolicy:
     return layers.logical_axes(nnx.eval_shape(lambda: self.build(0)))
 
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]:
-    """Observation -> ``images [B, N, H, W, 3]``, ``state [B, S]``, ``tokens/token_mask [B, L]``.
+    """Observation -> ``images [B, N, H, W, 3]``, ``image_mask [B, N]``, ``state [B, S]``,
+    ``tokens/token_mask [B, L]``.
 
     The prompt is the pi0 format (no state); the state is passed along unused by the network.
     """
@@ -325,7 +333,8 @@ class ActionTokenPolicy:
       raise ValueError(f"observation state has {state.shape[-1]} dims, the env spec "
                        f"{self.state_dim}")
     tokens, token_mask = self.tokenizer.encode(obs.instruction)
-    return dict(images=obs.images, state=state, tokens=tokens, token_mask=token_mask)
+    return dict(images=obs.images, image_mask=obs.image_mask, state=state, tokens=tokens,
+                token_mask=token_mask)
 
   def chain_tokens(self, chain: jax.Array) -> jax.Array:
     """Stored chain ``[B, 1, H, A]`` (float bin indices) -> tokens ``int32 [B, H * A]``."""
@@ -340,7 +349,8 @@ class ActionTokenPolicy:
     :meth:`act` decodes from the same distributions (with a KV cache).
     """
     out, hidden, mask = teacher_forced(self.net, params, batch["images"], batch["tokens"],
-                                       batch["token_mask"], self.chain_tokens(chain))
+                                       batch["token_mask"], contract.image_mask(batch),
+                                       self.chain_tokens(chain))
     return bin_log_probs(self.net, params, out), value(self.net, params, hidden, mask)
 
   def _split(self, logp_all: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -356,7 +366,8 @@ class ActionTokenPolicy:
     if mode not in MODES:
       raise ValueError(f"action_token_vla act mode {mode!r} is not one of {MODES}")
     tokens, logp_all, hidden, mask = decode(self.net, params, batch["images"], batch["tokens"],
-                                            batch["token_mask"], rng, greedy=mode == "eval")
+                                            batch["token_mask"], contract.image_mask(batch), rng,
+                                            greedy=mode == "eval")
     logp_dims, logp = self._split(logp_all, tokens)
     idx = tokens.reshape(tokens.shape[0], self.chunk_len, self.action_dim)
     return contract.ActOutput(
@@ -377,7 +388,7 @@ class ActionTokenPolicy:
 
   def value(self, params: contract.Params, batch: dict) -> jax.Array:
     hidden, mask, _ = encode_prefix(self.net, params, batch["images"], batch["tokens"],
-                                    batch["token_mask"])
+                                    batch["token_mask"], contract.image_mask(batch))
     return value(self.net, params, hidden, mask)
 
   def bc_loss(self, params: contract.Params, batch: dict, actions: jax.Array, rng: jax.Array,
@@ -389,7 +400,7 @@ class ActionTokenPolicy:
     del rng  # Teacher forcing is deterministic.
     tokens = discretize(actions, self.num_bins).reshape(actions.shape[0], -1)  # [B, H * A]
     out, _, _ = teacher_forced(self.net, params, batch["images"], batch["tokens"],
-                               batch["token_mask"], tokens)
+                               batch["token_mask"], contract.image_mask(batch), tokens)
     logp = jnp.take_along_axis(bin_log_probs(self.net, params, out), tokens[..., None], axis=-1)
     if mask is None:
       return -logp.mean()

@@ -9,6 +9,8 @@ pytree (nested dicts of arrays) so that optax, orbax and sharding code treat the
 uniformly. Every method but :meth:`Policy.prepare` is pure and jittable.
 
 * ``prepare(obs) -> batch``: host-side, observation -> arrays (tokenisation).
+  Every batch carries ``image_mask`` ``bool [B, N_cam]`` (the observation's
+  per-camera mask); :func:`image_mask` owns the rule for a batch without one.
 * ``act(params, batch, rng, mode) -> ActOutput``: actions, the stored sampler
   chain, its log-prob and the value.
 * ``evaluate(params, batch, chain) -> Evaluation``: log-prob of a stored chain,
@@ -29,6 +31,24 @@ from flax import struct
 from jaxvla.envs import protocol
 
 Params = dict
+IMAGE_MASK = "image_mask"  # the batch key of the per-camera mask, bool [B, N_cam]
+
+
+def image_mask(batch: dict) -> jax.Array:
+  """The batch's per-camera mask ``bool [B, N_cam]`` (False: leave the camera out).
+
+  A batch without one is an error rather than "every camera valid": batches only
+  come from ``Policy.prepare`` and live in memory (queue, learner), so a missing
+  mask means a caller dropped it, and treating a placeholder camera as real
+  would silently change what an openpi checkpoint does.
+
+  Raises:
+    KeyError: naming the key, when ``batch`` has no mask.
+  """
+  if IMAGE_MASK not in batch:
+    raise KeyError(f"the policy batch has no {IMAGE_MASK!r} (bool [B, N_cam]); build batches "
+                   f"with policy.prepare(Observation(...)), which adds it (keys: {sorted(batch)})")
+  return batch[IMAGE_MASK]
 
 
 @struct.dataclass

@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 
 from jaxvla.envs import protocol
-from jaxvla.models import action_token_vla, denoise, layers, pi0, tokenizer as tokenizer_lib
+from jaxvla.models import action_token_vla, contract, denoise, layers, pi0
+from jaxvla.models import tokenizer as tokenizer_lib
 from jaxvla.models.contract import ActOutput, Evaluation, Params, Policy
 
 
@@ -70,7 +71,8 @@ class FlowPolicy:
     return layers.logical_axes(nnx.eval_shape(lambda: self.build(0)))
 
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]:
-    """Observation -> ``images [B, N, H, W, 3]``, ``state [B, S]``, ``tokens/token_mask [B, L]``.
+    """Observation -> ``images [B, N, H, W, 3]``, ``image_mask [B, N]``, ``state [B, S]``,
+    ``tokens/token_mask [B, L]``.
 
     pi0.5 with ``discrete_state_input`` writes the state into the prompt (its
     256-bin discretisation of [-1, 1]); the state array is passed along anyway.
@@ -82,12 +84,12 @@ class FlowPolicy:
     tokens, token_mask = self.tokenizer.encode(
         obs.instruction, state=state if self.discrete_state else None)
     pad = self.net.state_dim - state.shape[-1]
-    return dict(images=obs.images, state=np.pad(state, ((0, 0), (0, pad))), tokens=tokens,
-                token_mask=token_mask)
+    return dict(images=obs.images, image_mask=obs.image_mask,
+                state=np.pad(state, ((0, 0), (0, pad))), tokens=tokens, token_mask=token_mask)
 
   def _prefix(self, params: Params, batch: dict) -> pi0.Prefix:
     return pi0.encode_prefix(self.net, params, batch["images"], batch["tokens"],
-                             batch["token_mask"])
+                             batch["token_mask"], contract.image_mask(batch))
 
   def _velocity_fn(self, params, prefix, state):
     return lambda x, t: pi0.velocity(self.net, params, prefix, state, x, t)
