@@ -16,6 +16,7 @@ import sys
 
 import av
 import jax
+import ml_collections
 import numpy as np
 import PIL.Image
 import pyarrow as pa
@@ -334,6 +335,34 @@ def test_images_resized_with_padding(datasets):
   assert out[2:6].min() == 200
 
 
+def test_absent_camera_is_a_masked_zero_image(datasets):
+  """A policy camera mapped to '' (the dataset has none): zeros, image_mask False, and the
+  batch reaches the policy with that mask (openpi's LIBERO setup: a third, masked camera)."""
+  d = _configs(datasets)["v21_inline"]
+  with d.unlocked():
+    d.cameras = ml_collections.ConfigDict({"agentview": OPENPI_KEYS["cameras"][0], "right_wrist": "",
+                                           "robot0_eye_in_hand": OPENPI_KEYS["cameras"][1]})
+  data_config.validate(d)
+  ds, reader = pipeline.from_config(d, chunk_len=2, batch_size=3, seed=0, shard_index=0,
+                                    shard_count=1)
+  spec = pipeline.dataset_spec(reader, d)
+  assert spec.camera_names == ("agentview", "right_wrist", "robot0_eye_in_hand")
+  raw = next(iter(ds))
+  assert raw["images"].shape == (3, 3, SIZE, SIZE, 3)
+  np.testing.assert_array_equal(raw["image_mask"], [[True, False, True]] * 3)
+  assert raw["images"][:, 1].max() == 0
+  for row, (e, t) in enumerate(zip(raw["episode"], raw["step"])):  # the others in their places
+    for place, c in ((0, 0), (2, 1)):
+      np.testing.assert_array_equal(raw["images"][row, place], EPISODES[e]["images"][c][t])
+  c = default.get_config()
+  policy = policy_lib.make_policy(c.model, spec)
+  batch, _, _ = next(pipeline.bc_batches([raw], policy.prepare))
+  np.testing.assert_array_equal(batch["image_mask"], raw["image_mask"])
+  d.cameras.agentview = d.cameras.robot0_eye_in_hand = ""
+  with pytest.raises(ValueError, match="config.data.cameras: every camera is ''"):
+    data_config.validate(d)
+
+
 # ------------------------------------------------------------------- pipeline --
 def _keys(batches) -> list[tuple[int, int]]:
   return [(int(e), int(s)) for b in batches for e, s in zip(b["episode"], b["step"])]
@@ -390,7 +419,8 @@ def test_bc_batches_fit_the_policy(datasets):
   batches = pipeline.make_dataset(reader, horizon=c.model.chunk_len, batch_size=4, seed=0,
                                   shard_index=0, shard_count=1)
   batch, actions, mask = next(pipeline.bc_batches(batches, policy.prepare))
-  assert set(batch) == {"images", "state", "tokens", "token_mask"}
+  assert set(batch) == {"images", "image_mask", "state", "tokens", "token_mask"}
+  assert batch["image_mask"].shape == (4, 2) and batch["image_mask"].all()
   assert batch["images"].shape == (4, 2, SIZE, SIZE, 3)
   assert actions.shape == (4, c.model.chunk_len, ACTION) and mask.shape == (4, c.model.chunk_len)
   loss = jax.eval_shape(policy.bc_loss, policy.abstract_params(), batch, actions,

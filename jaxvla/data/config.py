@@ -12,8 +12,10 @@ field can then be overridden on the command line. Presets:
 * ``"openpi_libero"``: openpi's LeRobot LIBERO set (``physical-intelligence/libero``).
 
 The two LIBERO presets name the cameras as jaxvla's LIBERO env does
-(``agentview``, ``robot0_eye_in_hand``). Only ``ml_collections`` is imported
-here, so config checks stay cheap.
+(``agentview``, ``robot0_eye_in_hand``). A policy camera mapped to
+:data:`ABSENT_CAMERA` (``""``) is one the dataset does not have: its samples hold
+a zero image with ``image_mask`` False (openpi's placeholder for a missing camera).
+Only ``ml_collections`` is imported here, so config checks stay cheap.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import ml_collections
 PRESETS = ("", "openvla_libero", "openpi_libero")
 FORMATS = ("auto", "rlds", "lerobot")
 NORM_MODES = ("zscore", "quantile")  # openpi's (jaxvla.data.norm_stats applies them).
+# The dataset key of a policy camera the dataset does not have (zero image, masked out).
+ABSENT_CAMERA = ""
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
@@ -33,7 +37,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
   d.path = ""  # Dataset directory ('': no dataset; the warm start collects scripted demos).
   d.format = "auto"  # 'rlds' (TFDS ArrayRecord), 'lerobot' (v2.x / v3) or 'auto' (from the files).
   d.split = "train"  # RLDS split, or a LeRobot info.json split ('': every episode).
-  # Policy camera name -> dataset image key, in the policy's camera order.
+  # Policy camera name -> dataset image key, in the policy's camera order ('': the dataset
+  # has no such camera; samples hold a zero image with image_mask False).
   d.cameras = ml_collections.ConfigDict({"top": "observation/top"})
   d.state_key = "observation/state"  # Proprioceptive state vector [S] per step.
   d.action_key = "action"  # Action vector [A] per step.
@@ -85,8 +90,10 @@ def validate(d: ml_collections.ConfigDict) -> None:
   require(d.format in FORMATS, "format", f"must be one of {FORMATS}, got {d.format!r}")
   require(len(d.cameras) >= 1, "cameras", "needs at least one 'camera name: dataset key'")
   for name, key in d.cameras.items():
-    require(isinstance(key, str) and bool(key), f"cameras.{name}",
-            f"must be a dataset image key, got {key!r}")
+    require(isinstance(key, str), f"cameras.{name}",
+            f"must be a dataset image key (or {ABSENT_CAMERA!r}: no such camera), got {key!r}")
+  require(any(key != ABSENT_CAMERA for key in d.cameras.values()), "cameras",
+          f"every camera is {ABSENT_CAMERA!r} (absent); at least one needs a dataset image key")
   for field in ("state_key", "action_key", "instruction_key"):
     require(isinstance(d[field], str) and bool(d[field]), field, "must be a dataset key")
   require(d.action_horizon >= 0, "action_horizon", f"must be >= 0, got {d.action_horizon}")

@@ -5,6 +5,8 @@
 * :class:`StepSource`: a random-access source with one sample per step (or per
   ``stride``-th step of each episode): the cameras, state and instruction at the
   step and its next H actions with a validity mask (False past the episode's end).
+  A policy camera the dataset does not have (``config.data.cameras`` maps it to
+  ``""``) is a zero image with ``image_mask`` False, so the policy leaves it out.
 * :func:`make_dataset`: grain ``MapDataset`` over that source: this process's
   shard (``[shard_index::shard_count]``: disjoint, together complete), a seeded
   shuffle redrawn every epoch, batches, then threads (``ReadOptions``) and
@@ -17,6 +19,7 @@
 A batch of :func:`make_dataset` (B = ``batch_size``)::
 
   images       uint8   [B, N_cam, H, W, 3]   cameras in config.data.cameras order
+  image_mask   bool    [B, N_cam]            False for a camera the dataset does not have
   state        float32 [B, S]
   instruction  object  [B]                   text
   actions      float32 [B, H, A]             steps t .. t+H-1 (the last one repeated past the end)
@@ -36,6 +39,7 @@ import ml_collections
 import numpy as np
 from absl import flags
 
+from jaxvla.data import config as data_config
 from jaxvla.data import episodes as episodes_lib
 from jaxvla.data import lerobot, norm_stats, rlds
 from jaxvla.data.episodes import DataError, EpisodeReader, Features
@@ -43,9 +47,14 @@ from jaxvla.envs import protocol
 
 
 def features_from_config(d: ml_collections.ConfigDict) -> Features:
-  """The dataset keys named by the ``data`` sub-config."""
-  return Features(cameras=tuple(d.cameras.values()), state=d.state_key,
-                  action=d.action_key, instruction=d.instruction_key)
+  """The dataset keys named by the ``data`` sub-config (the cameras the dataset has)."""
+  return Features(cameras=tuple(k for k in d.cameras.values() if k != data_config.ABSENT_CAMERA),
+                  state=d.state_key, action=d.action_key, instruction=d.instruction_key)
+
+
+def camera_present(d: ml_collections.ConfigDict) -> tuple[bool, ...]:
+  """Per policy camera (``config.data.cameras`` order): whether the dataset has it."""
+  return tuple(k != data_config.ABSENT_CAMERA for k in d.cameras.values())
 
 
 def detect_format(path: str) -> str:
@@ -121,10 +130,13 @@ class StepSource:
     stride: samples start at steps ``0, stride, 2 * stride, ...`` of every episode
       (1: every step). A chunked policy that acts every H steps sees only the states
       at chunk starts; with ``stride = H`` the samples are those states.
+    camera_present: per policy camera, whether the reader has it (:func:`camera_present`);
+      the reader's cameras fill the True places in order, the False ones get a zero
+      image of the same shape and ``image_mask`` False. None: every camera is the reader's.
   """
 
   def __init__(self, reader: EpisodeReader, horizon: int, image_size: int = 0,
-               stride: int = 1):
+               stride: int = 1, camera_present: tuple[bool, ...] | None = None):
     if horizon < 1:
       raise ValueError(f"action horizon must be >= 1, got {horizon}")
     if stride < 1:
@@ -133,7 +145,12 @@ class StepSource:
     self.horizon = horizon
     self.image_size = image_size
     self.stride = stride
-    image_shape(reader, image_size)  # fails now rather than in a worker
+    self.image_shape = image_shape(reader, image_size)  # fails now rather than in a worker
+    present = (True,) * len(reader.image_shapes) if camera_present is None else camera_present
+    if sum(present) != len(reader.image_shapes):
+      raise ValueError(f"camera_present={present} marks {sum(present)} cameras present; the "
+                       f"reader has {len(reader.image_shapes)}")
+    self.image_mask = np.array(present, bool)
     table = reader.table
     # The global steps samples start at (all of them unless strided).
     self._steps = (np.arange(table.num_steps) if stride == 1 else np.nonzero(
@@ -148,10 +165,14 @@ class StepSource:
     index = int(self._steps[int(index)])
     episode, step = (int(x) for x in table.locate(index))
     actions, mask = table.action_window(index, self.horizon)
-    images = self.reader.images(episode, step)
-    if self.image_size:
-      images = [episodes_lib.resize_with_pad(im, self.image_size) for im in images]
-    return dict(images=np.stack(images), state=table.state[index],
+    stored = iter(self.reader.images(episode, step))
+    images = []
+    for present in self.image_mask:
+      image = next(stored) if present else np.zeros(self.image_shape, np.uint8)
+      images.append(episodes_lib.resize_with_pad(image, self.image_size)
+                    if self.image_size else image)
+    return dict(images=np.stack(images), image_mask=self.image_mask.copy(),
+                state=table.state[index],
                 instruction=np.array(table.tasks[table.task_ids[index]], dtype=object),
                 actions=actions, action_mask=mask, episode=np.int64(episode),
                 step=np.int64(step))
@@ -166,7 +187,8 @@ def make_dataset(reader: EpisodeReader, *, horizon: int, batch_size: int, seed: 
                  image_size: int = 0, stride: int = 1, shard_index: int | None = None,
                  shard_count: int | None = None, num_epochs: int | None = None,
                  num_workers: int = 0, read_threads: int = 4,
-                 drop_remainder: bool = True) -> grain.IterDataset:
+                 drop_remainder: bool = True,
+                 camera_present: tuple[bool, ...] | None = None) -> grain.IterDataset:
   """The batched, shuffled, sharded pipeline over ``reader``'s steps.
 
   Args:
@@ -186,6 +208,7 @@ def make_dataset(reader: EpisodeReader, *, horizon: int, batch_size: int, seed: 
     read_threads: threads reading batches (in each worker process, if any); twice as
       many batches are read ahead.
     drop_remainder: drop a last, smaller batch.
+    camera_present: per policy camera, whether the dataset has it (:class:`StepSource`).
 
   Raises:
     ValueError: a shard outside ``[0, shard_count)``.
@@ -194,7 +217,7 @@ def make_dataset(reader: EpisodeReader, *, horizon: int, batch_size: int, seed: 
   shard_count = jax.process_count() if shard_count is None else shard_count
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index={shard_index} is not in [0, shard_count={shard_count})")
-  ds = grain.MapDataset.source(StepSource(reader, horizon, image_size, stride))
+  ds = grain.MapDataset.source(StepSource(reader, horizon, image_size, stride, camera_present))
   ds = ds[shard_index::shard_count].shuffle(seed=seed).repeat(num_epochs)
   # Batched before the threads and workers, so each of them assembles whole batches: the
   # batches do not depend on read_threads or num_workers.
@@ -224,7 +247,7 @@ def from_config(d: ml_collections.ConfigDict, *, chunk_len: int, batch_size: int
   ds = make_dataset(reader, horizon=horizon, batch_size=batch_size,
                     seed=seed, image_size=d.image_size, stride=d.stride or horizon, shard_index=shard_index,
                     shard_count=shard_count, num_workers=d.num_workers,
-                    read_threads=d.read_threads)
+                    read_threads=d.read_threads, camera_present=camera_present(d))
   return ds, reader
 
 
@@ -234,7 +257,7 @@ def bc_batches(batches: Iterable[dict[str, np.ndarray]],
                ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
   """Batches of :func:`make_dataset` -> ``(batch, actions [B, H, A], mask [B, H])``.
 
-  ``batch = prepare(Observation(images, state, instruction))``, with ``prepare``
+  ``batch = prepare(Observation(images, state, instruction, image_mask))``, with ``prepare``
   the policy's own ``prepare``; ``(batch, actions)`` are the arguments of
   ``Learner.bc_step(state, batch, actions)`` and ``mask`` marks the real actions.
   With a ``normalizer``, state and actions are in the policy's normalised space.
@@ -244,7 +267,8 @@ def bc_batches(batches: Iterable[dict[str, np.ndarray]],
     if normalizer is not None:
       state, actions = normalizer.state(state), normalizer.action_labels(actions)
     obs = protocol.Observation(images=b["images"], state=state,
-                               instruction=np.asarray(b["instruction"], dtype=object))
+                               instruction=np.asarray(b["instruction"], dtype=object),
+                               image_mask=b["image_mask"])
     yield prepare(obs), actions, b["action_mask"]
 
 
@@ -270,6 +294,6 @@ def normalizer_from_config(d, reader: EpisodeReader | None = None
   return norm_stats.Normalizer(norm_stats.compute(reader.table), d.normalize)
 
 
-__all__ = ["DataError", "StepSource", "bc_batches", "dataset_spec", "detect_format",
-           "features_from_config", "from_config", "make_dataset", "normalizer_from_config",
-           "open_reader"]
+__all__ = ["DataError", "StepSource", "bc_batches", "camera_present", "dataset_spec",
+           "detect_format", "features_from_config", "from_config", "make_dataset",
+           "normalizer_from_config", "open_reader"]
