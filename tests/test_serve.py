@@ -37,6 +37,7 @@ from openpi_client import websocket_client_policy as openpi_client
 
 from configs import default, serve as serve_configs
 from jaxvla import checkpoint, policy_io, serve
+from jaxvla.bench import serve as bench_serve
 from jaxvla.data import norm_stats
 from jaxvla.envs import protocol
 from jaxvla.models import policy as policy_lib
@@ -190,6 +191,13 @@ def test_a_client_that_disconnects_mid_request_does_not_stop_the_server(served):
   client = openpi_client.WebsocketClientPolicy("127.0.0.1", port)
   assert client.infer(_request(3))["actions"].shape == (5, 7)
   server.batcher.check()
+
+
+def test_the_load_test_counts_every_request(served):
+  _, _, port = served
+  row = bench_serve.measure("127.0.0.1", port, clients=2, requests=3, image_size=64)
+  assert row["requests"] == 6 and row["requests_per_s"] > 0
+  assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
 
 
 def test_the_command_serves_and_stops_on_ctrl_c(export_dir):
