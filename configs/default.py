@@ -63,6 +63,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.state_dim = 0  # Network state size, >= the env's (0: the env's; openpi: 32).
   c.model.vocab_size = 0  # Embedding rows, >= the tokenizer's (0: the tokenizer's; full: 257152).
   c.model.init_checkpoint = ""  # openpi params dir (<ckpt>/params) to start from ('': fresh init).
+  # LoRA (openpi's gemma_2b_lora / gemma_300m_lora): adapters on the Gemma attention and MLP
+  # weights; the adapted experts' other weights are frozen (openpi's freeze filter).
+  c.model.lora = "none"  # Adapters on: 'none', 'llm' (PaliGemma), 'expert' (action) or 'both'.
+  c.model.lora_rank_llm = 16  # Rank (= alpha) of the LLM's adapters (openpi's gemma_2b_lora).
+  c.model.lora_rank_expert = 32  # Rank (= alpha) of the expert's (openpi's gemma_300m_lora).
   c.model.value_source = "prefix"  # Value head input: 'prefix' tokens or pi0's 'expert' state token.
   c.model.value_hidden = 64  # Hidden units of the value head.
   c.model.tokenizer = "builtin"  # Instruction tokenizer: 'builtin' (words) or 'paligemma'.

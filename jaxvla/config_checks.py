@@ -6,8 +6,9 @@ this file calls (one owner per rule): mesh sizes and rules
 (:func:`jaxvla.envs.protocol.group_layout`), the GRPO loss normaliser
 (:func:`jaxvla.algorithms.grpo.check_normalizer`), the pipeline mode
 (:meth:`jaxvla.runtime.pipeline.Levels.from_config`), ``config.distributed``
-(:func:`jaxvla.distributed.validate`) and ``config.data``
-(:func:`jaxvla.data.config.validate`). The rest are relations between fields.
+(:func:`jaxvla.distributed.validate`), ``config.data``
+(:func:`jaxvla.data.config.validate`) and ``config.model.lora*``
+(:func:`jaxvla.models.lora.check_config`). The rest are relations between fields.
 """
 
 import ml_collections
@@ -16,7 +17,7 @@ from jaxvla import distributed, sharding
 from jaxvla.algorithms import grpo, ppo
 from jaxvla.data import config as data_config
 from jaxvla.envs import protocol
-from jaxvla.models import denoise
+from jaxvla.models import denoise, lora
 from jaxvla.runtime import pipeline
 
 
@@ -74,6 +75,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(not c.model.init_checkpoint or c.model.name in ("pi0", "pi05"), "model.init_checkpoint",
            f"openpi checkpoints hold pi0 / pi0.5 trees; model.name={c.model.name!r} cannot load "
            f"{c.model.init_checkpoint!r}")
+  lora.check_config(c.model)
   protocol.group_layout(c.env.group_size, c.num_envs)
   sharding.check_mesh_config(c.mesh)
   _validate_pipeline(c)

@@ -14,7 +14,9 @@ kv_einsum [L, 2, K, D, H], attn_vec_einsum [L, N, H, D]}/w``;
 ``1 + scale``) or, for an expert with adaptive RMSNorm (pi0.5's action expert),
 ``.../Dense_0/{kernel [L, D, 3D], bias}`` producing scale, shift and a residual
 gate from a conditioning vector; ``layers/mlp/{gating_einsum [L, 2, D, F],
-linear [L, F, D]}`` (GeGLU); ``final_norm/...``.
+linear [L, F, D]}`` (GeGLU); ``final_norm/...``. An expert with LoRA
+(``GemmaConfig.lora``) also holds openpi's adapters next to its attention and MLP
+weights (:mod:`jaxvla.models.lora`).
 
 :func:`forward` takes the token groups as a list (``None`` for a group not run),
 an attention mask, and optionally a key/value cache from an earlier call: a
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxvla.models import layers
+from jaxvla.models import layers, lora as lora_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,7 @@ class GemmaConfig:
   num_heads: int
   num_kv_heads: int
   head_dim: int
+  lora: lora_lib.LoraConfig | None = None  # adapters on attention and MLP (openpi's *_lora)
 
 
 VARIANTS = {
@@ -79,24 +82,37 @@ def build(cfgs: Sequence[GemmaConfig], rngs: nnx.Rngs, *, vocab_size: int,
   L = (base.depth,)
   attn, blocks, finals = {}, {}, {}
   for i, c in enumerate(cfgs):
-    attn[_name("q_einsum", i)] = layers.Node(w=layers.param(
-        rngs, layers.lecun(in_axis=-2, out_axis=-1, batch_axis=(0, 1)),
-        (*L, c.num_heads, c.width, c.head_dim), ("layers", "heads", "embed", "head_dim")))
-    attn[_name("kv_einsum", i)] = layers.Node(w=layers.param(
-        rngs, layers.lecun(in_axis=-2, out_axis=-1, batch_axis=(0, 1, 2)),
+
+    def weight(init, shape, axes, c=c):
+      """``w`` and, with LoRA, openpi's ``lora_a`` / ``lora_b`` next to it."""
+      node = dict(w=layers.param(rngs, init, shape, axes))
+      if c.lora is not None:
+        node["lora_a"], node["lora_b"] = lora_lib.adapter_params(rngs, shape, axes, c.lora)
+      return layers.Node(**node)
+
+    attn[_name("q_einsum", i)] = weight(
+        layers.lecun(in_axis=-2, out_axis=-1, batch_axis=(0, 1)),
+        (*L, c.num_heads, c.width, c.head_dim), ("layers", "heads", "embed", "head_dim"))
+    attn[_name("kv_einsum", i)] = weight(
+        layers.lecun(in_axis=-2, out_axis=-1, batch_axis=(0, 1, 2)),
         (*L, 2, c.num_kv_heads, c.width, c.head_dim),
-        ("layers", None, "kv_heads", "embed", "head_dim")))
-    attn[_name("attn_vec_einsum", i)] = layers.Node(w=layers.param(
-        rngs, layers.lecun(in_axis=(-3, -2), out_axis=-1, batch_axis=(0,)),
-        (*L, c.num_heads, c.head_dim, c.width), ("layers", "heads", "head_dim", "embed")))
+        ("layers", None, "kv_heads", "embed", "head_dim"))
+    attn[_name("attn_vec_einsum", i)] = weight(
+        layers.lecun(in_axis=(-3, -2), out_axis=-1, batch_axis=(0,)),
+        (*L, c.num_heads, c.head_dim, c.width), ("layers", "heads", "head_dim", "embed"))
     blocks[_name("pre_attention_norm", i)] = _norm_params(rngs, c.width, L, adarms[i])
     blocks[_name("pre_ffw_norm", i)] = _norm_params(rngs, c.width, L, adarms[i])
-    blocks[_name("mlp", i)] = layers.Node(
-        gating_einsum=layers.param(
-            rngs, layers.lecun(in_axis=-2, out_axis=-1, batch_axis=(0, 1)),
-            (*L, 2, c.width, c.mlp_dim), ("layers", None, "embed", "mlp")),
-        linear=layers.param(rngs, layers.lecun(batch_axis=(0,)), (*L, c.mlp_dim, c.width),
-                            ("layers", "mlp", "embed")))
+    mlp_shapes = dict(
+        gating_einsum=((*L, 2, c.width, c.mlp_dim), ("layers", None, "embed", "mlp")),
+        linear=((*L, c.mlp_dim, c.width), ("layers", "mlp", "embed")))
+    mlp = dict(
+        gating_einsum=layers.param(rngs, layers.lecun(in_axis=-2, out_axis=-1, batch_axis=(0, 1)),
+                                   *mlp_shapes["gating_einsum"]),
+        linear=layers.param(rngs, layers.lecun(batch_axis=(0,)), *mlp_shapes["linear"]))
+    if c.lora is not None:  # openpi's FeedForward names them <weight>_lora_{a,b}
+      for w, (shape, axes) in mlp_shapes.items():
+        mlp[f"{w}_lora_a"], mlp[f"{w}_lora_b"] = lora_lib.adapter_params(rngs, shape, axes, c.lora)
+    blocks[_name("mlp", i)] = layers.Node(**mlp)
     finals[_name("final_norm", i)] = _norm_params(rngs, c.width, (), adarms[i])
   # Embeddings start at unit scale after the sqrt(width) multiplier, so language
   # tokens are as loud as image tokens when training from scratch.
@@ -143,6 +159,21 @@ def _residual(x, y, gate):
   return x + y if gate is None else x + y * gate
 
 
+def _mlp(m: dict, h: jax.Array, lora: lora_lib.LoraConfig | None, dtype) -> jax.Array:
+  """openpi's (``lora.``)``FeedForward``: GeGLU of ``h [B, T, D]`` -> ``[B, T, D]``."""
+
+  def weights(name: str, part: int | None = None):
+    """``(w, lora_a, lora_b)`` of one matmul (``part`` 0: gate, 1: up of ``gating_einsum``)."""
+    pick = (lambda x: x) if part is None else (lambda x: x[part])
+    if lora is None:
+      return pick(m[name]), None, None
+    return pick(m[name]), pick(m[f"{name}_lora_a"]), pick(m[f"{name}_lora_b"])
+
+  gate = lora_lib.dot(h, *weights("gating_einsum", 0), dtype)
+  up = lora_lib.dot(h, *weights("gating_einsum", 1), dtype)
+  return lora_lib.dot(jax.nn.gelu(gate) * up, *weights("linear"), dtype)
+
+
 def _layer(cfgs: Sequence[GemmaConfig], lp: dict, xs: list, positions: jax.Array,
            mask: jax.Array, cache: KVCache | None, conds: Sequence, dtype):
   """One decoder layer over the token groups ``xs`` (each ``[B, T_i, D_i]`` or None)."""
@@ -154,8 +185,10 @@ def _layer(cfgs: Sequence[GemmaConfig], lp: dict, xs: list, positions: jax.Array
       continue
     h, gate = rms_norm(lp[_name("pre_attention_norm", i)], x, conds[i])
     gates.append(gate)
-    qs.append(jnp.einsum("btd,ndh->btnh", h, a[_name("q_einsum", i)]["w"].astype(dtype)))
-    k, v = jnp.einsum("bsd,ckdh->cbskh", h, a[_name("kv_einsum", i)]["w"].astype(dtype))
+    qs.append(lora_lib.einsum(lora_lib.ATTN_EQNS["q_einsum"], h, a[_name("q_einsum", i)],
+                              cfgs[i].lora, dtype))
+    k, v = lora_lib.einsum(lora_lib.ATTN_EQNS["kv_einsum"], h, a[_name("kv_einsum", i)],
+                           cfgs[i].lora, dtype)
     ks.append(k)
     vs.append(v)
   c0 = cfgs[0]
@@ -180,15 +213,13 @@ def _layer(cfgs: Sequence[GemmaConfig], lp: dict, xs: list, positions: jax.Array
       out.append(None)
       continue
     end = start + x.shape[1]
-    y = jnp.einsum("btnh,nhd->btd", enc[:, start:end],
-                   a[_name("attn_vec_einsum", i)]["w"].astype(dtype))
+    y = lora_lib.einsum(lora_lib.ATTN_EQNS["attn_vec_einsum"], enc[:, start:end],
+                        a[_name("attn_vec_einsum", i)], cfgs[i].lora, dtype)
     start = end
     x = _residual(x, y, gates[i])
     h, gate = rms_norm(lp[_name("pre_ffw_norm", i)], x, conds[i])
-    m = lp[_name("mlp", i)]
-    w = m["gating_einsum"].astype(dtype)
-    y = jax.nn.gelu(jnp.dot(h, w[0])) * jnp.dot(h, w[1])
-    out.append(_residual(x, jnp.dot(y, m["linear"].astype(dtype)), gate))
+    y = _mlp(lp[_name("mlp", i)], h, cfgs[i].lora, dtype)
+    out.append(_residual(x, y, gate))
   return out, (k, v)
 
 

@@ -26,7 +26,9 @@ initialised silently:
   LoRA loaded into a model without it) is left unloaded when it matches
   ``ignore_extra`` (e.g. ``ignore_extra="lora"``).
 
-Both are regular expressions searched in the path (``re.search``).
+Both are regular expressions searched in the path (``re.search``). :func:`init_params`
+(a run's ``config.model.init_checkpoint``) passes ``missing_ok="lora"``, as openpi's
+loader does: a LoRA model starts from a plain checkpoint with fresh adapters.
 """
 
 from __future__ import annotations
@@ -218,8 +220,8 @@ def check_compatible(ckpt: Mapping[str, ShapeDtypeLike], target: Mapping[str, Sh
     if path not in target:
       if _matches(ignore_extra, path):
         continue
-      lora = (" (openpi LoRA weight; pass ignore_extra='lora' to leave it out)"
-              if "lora" in path else "")
+      lora = (" (openpi LoRA weight; set config.model.lora to load it, or pass "
+              "ignore_extra='lora' to leave it out)" if "lora" in path else "")
       raise ValueError(f"openpi checkpoint path {path!r} (shape {tuple(have.shape)}) is not a "
                        f"parameter of the model{lora}")
     want = target[path]
@@ -299,6 +301,11 @@ def load_openpi_params(path: str, target: Mapping[str, Any], *,
   return unflatten(params), skipped
 
 
+# LoRA weights an openpi checkpoint may lack: openpi's loader fills missing '.*lora.*'
+# weights from init (a released checkpoint into a LoRA model), and so does init_params.
+LORA_MISSING_OK = "lora"
+
+
 def init_params(policy, rng: jax.Array, checkpoint: str = "", shardings=None) -> dict:
   """A policy's parameters: fresh, or openpi's weights with fresh RL-only heads.
 
@@ -308,9 +315,10 @@ def init_params(policy, rng: jax.Array, checkpoint: str = "", shardings=None) ->
     checkpoint: an openpi ``.../params`` directory; empty for a fresh policy.
     shardings: optional tree (like the params) of target shardings.
 
-  The fresh RL heads (``rl/``) come from ``policy.init`` jitted to return only
-  them, so XLA drops the rest of the initialisation: a full model is never
-  initialised just to be overwritten.
+  The fresh RL heads (``rl/``), and a LoRA model's adapters when the checkpoint
+  has none (``config.model.lora`` on a plain openpi checkpoint), come from
+  ``policy.init`` jitted to return only them, so XLA drops the rest of the
+  initialisation: a full model is never initialised just to be overwritten.
   """
   init = jax.jit(policy.init, out_shardings=shardings)
   if not checkpoint:
@@ -319,7 +327,13 @@ def init_params(policy, rng: jax.Array, checkpoint: str = "", shardings=None) ->
   if shardings is not None:
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           target, shardings)
-  loaded, _ = load_openpi_params(checkpoint, target, skip_prefixes=("rl",))
-  fresh_shardings = None if shardings is None else {"rl": shardings["rl"]}
-  fresh = jax.jit(lambda k: {"rl": policy.init(k)["rl"]}, out_shardings=fresh_shardings)(rng)
-  return dict(loaded, **fresh)
+  loaded, skipped = load_openpi_params(checkpoint, target, skip_prefixes=("rl",),
+                                       missing_ok=LORA_MISSING_OK)
+
+  def pick(tree):  # the skipped paths of a params-like tree
+    flat = flatten(tree)
+    return unflatten({p: flat[p] for p in skipped})
+
+  fresh_shardings = None if shardings is None else pick(shardings)
+  fresh = jax.jit(lambda k: pick(policy.init(k)), out_shardings=fresh_shardings)(rng)
+  return unflatten({**flatten(loaded), **flatten(fresh)})

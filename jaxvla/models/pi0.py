@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx, struct
 
-from jaxvla.models import gemma, layers, siglip
+from jaxvla.models import gemma, layers, lora, siglip
 
 PALIGEMMA_VOCAB_SIZE = 257_152
 
@@ -70,6 +70,9 @@ class Pi0Config:
       raise ValueError(f"config.model.variant={model.variant!r} is not one of {sorted(VARIANTS)}")
     llm, expert, vit = VARIANTS[model.variant]
     vit = dataclasses.replace(vit, posemb=model.posemb)
+    llm_lora, expert_lora = lora.expert_configs(model)
+    llm = dataclasses.replace(llm, lora=llm_lora)
+    expert = dataclasses.replace(expert, lora=expert_lora)
     pi05 = model.name == "pi05"
     if model.value_source not in VALUE_SOURCES:
       raise ValueError(f"config.model.value_source={model.value_source!r} is not one of "
