@@ -18,6 +18,11 @@ scalars and PRNG keys replicated, and data split on its env axis
 (:meth:`jaxvla.types.Trajectory.env_axes`). Callers place the state with
 :meth:`Learner.shard_state` (or restore it onto :meth:`Learner.state_shardings`).
 
+LoRA (``config.model.lora``, adapters in the params tree): every step trains
+:attr:`Learner.trainable` alone (the adapters, the RL heads and what openpi's
+freeze filter leaves trainable); the optimizer state holds that subtree's moments
+only, and the frozen weights get no gradient (:mod:`jaxvla.learner.trainable`).
+
 Multi-process (``jax.process_count() > 1``, a mesh over every process's learner
 devices): every entry point takes *this process's* rows of the batch (its own
 env segments, episodes or demonstration chunks, equal in number on every
@@ -41,7 +46,7 @@ from flax import struct
 from jaxvla import distributed, types
 from jaxvla import sharding as sharding_lib
 from jaxvla.algorithms import ppo
-from jaxvla.learner import objectives, update as update_lib
+from jaxvla.learner import objectives, trainable as trainable_lib, update as update_lib
 from jaxvla.models import contract
 
 
@@ -163,9 +168,13 @@ class Learner:
     self.policy = policy
     self.ppo_config = ppo_config
     self.objective = objectives.make_objective(policy, ppo_config)
-    self.bc_tx = make_optimizer(bc_config.learning_rate, ppo_config.max_grad_norm)
-    self.ppo_tx = make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm,
-                                 b1=ppo_config.adam_b1)
+    self._abstract_params = policy.abstract_params()
+    self.trainable = trainable_lib.Trainable.of(self._abstract_params)
+    self.bc_tx = trainable_lib.train_only(
+        make_optimizer(bc_config.learning_rate, ppo_config.max_grad_norm), self.trainable)
+    self.ppo_tx = trainable_lib.train_only(
+        make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm,
+                       b1=ppo_config.adam_b1), self.trainable)
     self.num_processes = jax.process_count()
     if mesh is None:
       if self.num_processes > 1:
@@ -191,9 +200,11 @@ class Learner:
     jit boundaries themselves, for AOT lowering (``jaxvla.bench.policy``).
     """
     mesh, rules = self.mesh, self.rules
-    self._abstract_params = abstract_params = self.policy.abstract_params()
+    abstract_params = self._abstract_params
     self.param_shardings = sharding_lib.param_shardings(self.policy.logical_axes(),
                                                         abstract_params, mesh, rules)
+    # The trained subtree's gradients and optimizer moments live like its params.
+    self._trained_shardings = self.trainable.select(self.param_shardings)
     abstract_state = lambda tx: jax.eval_shape(
         lambda p, k: init_state(p, tx, k), abstract_params, jax.random.PRNGKey(0))
     self._bc_state_sh = bc_sh = self.state_shardings(abstract_state(self.bc_tx))
@@ -208,13 +219,13 @@ class Learner:
                                out_shardings=(bc_sh, rep), donate_argnums=0)
     self.update_jit = jax.jit(self._update, in_shardings=(ppo_sh, self._data_sh),
                                out_shardings=(ppo_sh, rep), donate_argnums=0)
-    # Streamer: gradients live like the params; metrics and the row count replicated.
-    grads_sh = (self.param_shardings, rep)
+    # Streamer: gradients live like the trained params; metrics and the row count replicated.
+    grads_sh = (self._trained_shardings, rep)
     self._micro_grads_jit = jax.jit(
         lambda params, data, total, version: update_lib.micro_grads(
-            self.objective, self.ppo_config, params, data, total, version),
+            self.objective, self.ppo_config, params, data, total, version, self.trainable),
         in_shardings=(self.param_shardings, self._data_sh, rep, rep), out_shardings=grads_sh)
-    self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, self.param_shardings, rep),
+    self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, self._trained_shardings, rep),
                             out_shardings=grads_sh, donate_argnums=0)
     self._apply_jit = jax.jit(self._apply, in_shardings=(ppo_sh, grads_sh),
                               out_shardings=(ppo_sh, rep), donate_argnums=0, static_argnums=2)
@@ -222,13 +233,18 @@ class Learner:
   def state_shardings(self, abstract_state: TrainState):
     """Shardings of a train state (arrays or ``ShapeDtypeStruct``s), same tree.
 
-    Params and every optimizer-state subtree that mirrors them (Adam's ``mu``,
-    ``nu``) take the params' logical shardings; step, counts and PRNG key are
-    replicated.
+    Params take their logical shardings, and every optimizer-state subtree that
+    mirrors the trained params (Adam's ``mu``, ``nu``) takes theirs; step, counts
+    and PRNG key are replicated.
     """
-    return sharding_lib.mirror_shardings(abstract_state, self._abstract_params,
-                                         self.param_shardings,
-                                         sharding_lib.replicated(self.mesh))
+    rep = sharding_lib.replicated(self.mesh)
+    return abstract_state.replace(
+        step=rep, rng=rep,
+        params=sharding_lib.mirror_shardings(abstract_state.params, self._abstract_params,
+                                             self.param_shardings, rep),
+        opt_state=sharding_lib.mirror_shardings(
+            abstract_state.opt_state, self.trainable.select(self._abstract_params),
+            self._trained_shardings, rep))
 
   def shard_state(self, state: TrainState) -> TrainState:
     """``state`` placed on :meth:`state_shardings` (what ``bc_step`` / ``update`` take)."""
@@ -277,10 +293,12 @@ class Learner:
   def _bc_step(self, state: TrainState, batch: dict, actions: jax.Array,
                mask: jax.Array) -> tuple[TrainState, jax.Array]:
     rng, key = jax.random.split(state.rng)
-    loss, grads = jax.value_and_grad(self.policy.bc_loss)(state.params, batch, actions, key,
-                                                          mask)
-    updates, opt_state = self.bc_tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    trained = self.trainable.select(state.params)
+    loss, grads = jax.value_and_grad(
+        lambda sub: self.policy.bc_loss(self.trainable.merge(state.params, sub), batch, actions,
+                                        key, mask))(trained)
+    updates, opt_state = self.bc_tx.update(grads, state.opt_state, trained)
+    params = self.trainable.merge(state.params, optax.apply_updates(trained, updates))
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
     new, nonfinite = _guard(state, new, loss, optax.tree.norm(grads))
     return new, dict(loss=loss, nonfinite=nonfinite)
@@ -302,7 +320,7 @@ class Learner:
                                                                self.mesh)
     params, opt_state, metrics = update_lib.epochs_update(
         self.objective, self.ppo_tx, self.ppo_config, state.params, state.opt_state, data, key,
-        constrain, version=state.step)
+        constrain, version=state.step, trainable=self.trainable)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
     new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])
     return new, dict(metrics, nonfinite=nonfinite)
@@ -334,9 +352,11 @@ class Learner:
 
   def _apply(self, state: TrainState, acc, bump_version: bool) -> tuple[TrainState, dict]:
     grads, metrics = acc
-    updates, opt_state = self.ppo_tx.update(grads, state.opt_state, state.params)
+    trained = self.trainable.select(state.params)
+    updates, opt_state = self.ppo_tx.update(grads, state.opt_state, trained)
     scale = ppo.step_scale(self.ppo_config.step_scale, metrics)
-    params = optax.apply_updates(state.params, jax.tree.map(lambda u: scale * u, updates))
+    params = self.trainable.merge(
+        state.params, optax.apply_updates(trained, jax.tree.map(lambda u: scale * u, updates)))
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=jnp.zeros(()),
                    step_scale=scale)
     step = state.step + (1 if bump_version else 0)

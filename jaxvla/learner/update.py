@@ -12,8 +12,11 @@ log-probs are computed once, per minibatch of rows).
 global row weights; the micro-batches' gradients and metrics add up to those of
 a one-minibatch, one-epoch :func:`epochs_update` of their union.
 
-Both are pure functions of their arguments; :class:`jaxvla.learner.learner.Learner`
-jits them with the mesh's shardings.
+Both differentiate with respect to the trained parameters only
+(:class:`jaxvla.learner.trainable.Trainable`: the LoRA adapters and what openpi's
+freeze filter leaves trainable, or everything); the frozen rest is a constant of
+the loss. Both are pure functions of their arguments;
+:class:`jaxvla.learner.learner.Learner` jits them with the mesh's shardings.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import optax
 
 from jaxvla.algorithms import ppo
 from jaxvla.learner.objectives import Objective
+from jaxvla.learner.trainable import ALL, Trainable
 
 
 def _uses_proximal(cfg: ml_collections.ConfigDict) -> bool:
@@ -55,12 +59,12 @@ def _with_proximal(objective: Objective, params, data, rows: dict, version: jax.
 def epochs_update(objective: Objective, tx: optax.GradientTransformation,
                   cfg: ml_collections.ConfigDict, params, opt_state, data, rng: jax.Array,
                   constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
-                  version: jax.Array | int = 0):
+                  version: jax.Array | int = 0, trainable: Trainable = ALL):
   """Every epoch and minibatch of one batch ``data``.
 
   Args:
     objective: the algorithm (rows, weights, loss).
-    tx: the optimizer; cfg: the ``ppo`` sub-config.
+    tx: the optimizer over ``trainable.select(params)``; cfg: the ``ppo`` sub-config.
     params, opt_state: before the update.
     data: the batch (``objective.data_type``).
     rng: the shuffling key.
@@ -68,6 +72,7 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
       (the learner's sharding constraint of the row axis).
     version: the learner's policy version (``state.step``): rows older than it are
       the stale ones of the diagnostics.
+    trainable: the parameters the steps change (the rest stays as given).
 
   Returns:
     ``(params, opt_state, metrics)``: metrics are means over minibatches of the
@@ -87,36 +92,44 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
   if _uses_proximal(cfg):  # The params before this update's steps, per minibatch of rows.
     rows = _with_proximal(objective, params, data, rows, version, split)
 
+  # The scans carry the trained subtree only; the frozen rest is read from ``params``.
+  loss_of = lambda sub, minibatch, weights: objective.loss(trainable.merge(params, sub),
+                                                           minibatch, weights)
+
   def minibatch_step(carry, minibatch):
-    params, opt_state, stop = carry
-    (loss, metrics), grads = jax.value_and_grad(objective.loss, has_aux=True)(
-        params, minibatch, objective.weights(minibatch))
+    sub, opt_state, stop = carry
+    (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        sub, minibatch, objective.weights(minibatch))
     del loss  # (in metrics)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
+    updates, new_opt_state = tx.update(grads, opt_state, sub)
     scale = ppo.step_scale(cfg.step_scale, metrics)
-    new_params = optax.apply_updates(params, jax.tree.map(lambda u: scale * u, updates))
+    new_sub = optax.apply_updates(sub, jax.tree.map(lambda u: scale * u, updates))
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(stop, b, a), new, old)
-    params, opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+    sub, opt_state = keep(new_sub, sub), keep(new_opt_state, opt_state)
     if cfg.target_kl > 0:
       stop = stop | (metrics["approx_kl"] > cfg.target_kl)
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=stop.astype(jnp.float32),
                    step_scale=scale)
-    return (params, opt_state, stop), metrics
+    return (sub, opt_state, stop), metrics
 
   def epoch(carry, key):
     perm = jax.random.permutation(key, n)
     shuffled = jax.tree.map(lambda x: constrain(split(x[perm])), rows)
     return jax.lax.scan(minibatch_step, carry, shuffled)
 
-  (params, opt_state, _), metrics = jax.lax.scan(
-      epoch, (params, opt_state, jnp.zeros((), bool)), jax.random.split(rng, cfg.num_epochs))
+  (sub, opt_state, _), metrics = jax.lax.scan(
+      epoch, (trainable.select(params), opt_state, jnp.zeros((), bool)),
+      jax.random.split(rng, cfg.num_epochs))
   metrics = dict(jax.tree.map(jnp.mean, metrics), **objective.batch_metrics(data, rows))
-  return params, opt_state, metrics
+  return trainable.merge(params, sub), opt_state, metrics
 
 
 def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, data,
-                total_rows: jax.Array, version: jax.Array | int = 0):
+                total_rows: jax.Array, version: jax.Array | int = 0,
+                trainable: Trainable = ALL):
   """``(grads, metrics)`` of micro-batch ``data`` in an optimizer update of ``total_rows``.
+
+  ``grads`` is a tree like ``trainable.select(params)``.
 
   Gradients and metrics are weighted sums with global weights, so the
   micro-batches' add up to the whole minibatch's; ``objective.batch_metrics``
@@ -129,7 +142,8 @@ def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, da
   if cfg.value_targets != "rollout":
     rows = _with_proximal(objective, params, data, rows, version)
   weights = objective.streamed_weights(rows, total_rows)
-  (_, metrics), grads = jax.value_and_grad(objective.loss, has_aux=True)(params, rows, weights)
+  loss_of = lambda sub: objective.loss(trainable.merge(params, sub), rows, weights)
+  (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable.select(params))
   share = rows["log_prob"].shape[0] / total_rows
   metrics.update({k: share * v for k, v in objective.batch_metrics(data, rows).items()})
   return grads, metrics
