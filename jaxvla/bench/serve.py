@@ -11,7 +11,8 @@ Each client's first request is a warm-up and is not counted.
 
 Prints requests/s (counted requests / wall time from the common start to the last
 reply), per-request latency percentiles (send to reply, client side: p50, p90,
-p99, max) and, for an in-process server, its calls and mean requests per call.
+p99, max) and, for an in-process server, its policy calls and mean requests per
+call over the repeat (the clients' warm-up requests included).
 ``--repeats`` runs the whole measurement several times on one server; the last
 line is one JSON object with every repeat.
 """

@@ -53,6 +53,7 @@ def metadata(loaded: policy_io.LoadedPolicy, obs_map: obs_map_lib.ObsMap,
       obs_map=obs_map.name,
       observation={f.key: f.to_json() for f in obs_map.expected()},
       masked_cameras=obs_map.masked_cameras(),
+      unused_keys=sorted(obs_map.ignored),  # accepted, fed to nothing (ALOHA's cam_low)
       example_observation=obs_map.example(),
       actions=dict(shape=[loaded.policy.chunk_len, loaded.spec.action_dim], dtype="float32",
                    units="env (un-normalised)"),
