@@ -8,7 +8,8 @@ served with openpi's LIBERO keys:
   sent back as is gets ``actions [H, A]``;
 * the actions equal the policy's own eval ``act`` on the same observation with
   ``PRNGKey(seed)``, through the normaliser, the right-wrist camera a zero image
-  with its mask False, images resized by openpi_client's ``resize_with_pad``;
+  with its mask False (and differ from acting with it unmasked), images resized by
+  openpi_client's ``resize_with_pad``;
 * concurrent clients get those same per-observation answers and share batched
   calls (a call with more than one request);
 * a malformed request (missing key, wrong shape, not a dict, not msgpack) gets
@@ -88,8 +89,11 @@ def _request(seed: int, size: int = 224) -> dict:
           "prompt": "move to the red target"}
 
 
-def _own_act(loaded: policy_io.LoadedPolicy, request: dict) -> np.ndarray:
-  """The policy's eval act on ``request``, built independently of the server: ``[H, A]``."""
+def _own_act(loaded: policy_io.LoadedPolicy, request: dict, mask_right: bool = True) -> np.ndarray:
+  """The policy's eval act on ``request``, built independently of the server: ``[H, A]``.
+
+  ``mask_right``: the right-wrist placeholder's mask False (openpi's LIBERO input).
+  """
   h, w, _ = SPEC.image_shape
   cams = [image_tools.resize_with_pad(request[k], h, w)
           for k in ("observation/image", "observation/wrist_image")]
@@ -97,7 +101,7 @@ def _own_act(loaded: policy_io.LoadedPolicy, request: dict) -> np.ndarray:
       images=np.stack(cams + [np.zeros_like(cams[0])])[None],
       state=loaded.normalizer.state(np.asarray(request["observation/state"], np.float32)[None]),
       instruction=np.array([request["prompt"]], object),
-      image_mask=np.array([[True, True, False]]))
+      image_mask=np.array([[True, True, not mask_right]]))
   out = loaded.act_fn()(loaded.params, loaded.policy.prepare(obs), jax.random.PRNGKey(0))
   return loaded.normalizer.actions(np.asarray(out.actions[0]))
 
@@ -120,6 +124,8 @@ def test_metadata_example_round_trip_and_the_policys_own_actions(served):
   want = _own_act(loaded, request)
   got = client.infer(request)["actions"]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # (the mask reaches the policy: the placeholder camera seen as real acts differently)
+  assert not np.allclose(got, _own_act(loaded, request, mask_right=False), atol=1e-4)
   np.testing.assert_array_equal(client.infer(request)["actions"], got)  # fixed noise
   # openpi's convention: an image sent channels first means the same.
   chw = dict(request, **{"observation/image": request["observation/image"].transpose(2, 0, 1)})
