@@ -39,13 +39,11 @@ from jaxvla.envs import protocol
 from jaxvla.envs import spec_from_config, spec_from_json, spec_to_json
 from jaxvla.models import contract, openpi_import
 from jaxvla.models import policy as policy_lib
+from jaxvla.models.openpi_export import OPENPI_NORM_MODE
 
 KINDS = ("export", "checkpoint", "openpi")
 CONFIG_FILE = "config.json"
 SPEC_FILE = "env_spec.json"
-# openpi normalises pi0's state and actions by z-score and pi0.5's (and FAST's) by
-# quantiles (its DataConfigFactory: use_quantile_norm = model_type != PI0).
-OPENPI_NORM_MODE = {"pi0": "zscore", "pi05": "quantile"}
 
 
 @dataclasses.dataclass
@@ -124,16 +122,26 @@ def _check_fits(params, policy: contract.Policy, where: str, hint: str) -> None:
     raise ValueError(f"{where} does not fit the config's model: {mismatch}{hint}")
 
 
-def _openpi_normalizer(path: str, asset_id: str | None, mode: str) -> norm_stats.Normalizer:
+def openpi_asset_ids(path: str) -> list[str]:
+  """The asset ids under ``path/assets`` that hold norm stats (openpi's ids nest, e.g.
+  ``physical-intelligence/libero``), sorted."""
   assets = os.path.join(path, "assets")
-  ids = sorted(d for d in os.listdir(assets)
-               if os.path.exists(os.path.join(assets, d, norm_stats.FILE_NAME)))
+  ids = []
+  for root, _, files in os.walk(assets):
+    if norm_stats.FILE_NAME in files:
+      ids.append(os.path.relpath(root, assets))
+  return sorted(ids)
+
+
+def _openpi_normalizer(path: str, asset_id: str | None, mode: str) -> norm_stats.Normalizer:
+  ids = openpi_asset_ids(path)
   if asset_id is None:
     if len(ids) != 1:
-      raise ValueError(f"{assets} holds norm stats for {ids or 'no asset'}; name one with "
-                       "asset_id (openpi's data.asset_id, e.g. 'physical-intelligence/libero')")
+      raise ValueError(f"{os.path.join(path, 'assets')} holds norm stats for "
+                       f"{ids or 'no asset'}; name one with asset_id (openpi's "
+                       "data.asset_id, e.g. 'physical-intelligence/libero')")
     asset_id = ids[0]
-  file = os.path.join(assets, asset_id, norm_stats.FILE_NAME)
+  file = os.path.join(path, "assets", asset_id, norm_stats.FILE_NAME)
   if not os.path.exists(file):
     raise FileNotFoundError(f"{file} is missing (assets with norm stats: {ids})")
   return norm_stats.Normalizer(norm_stats.load(file), mode)

@@ -136,6 +136,27 @@ def test_step_chunk_equals_in_process_stepping():
     assert pool.stats.chunks == 24 and pool.stats.restarts == 0
 
 
+def test_reset_from_later_episodes_matches_in_process_envs():
+  # (jaxvla.eval resumes an evaluation by starting each env at its next unplayed episode.)
+  first = np.array([2, 0, 5, 1])
+  batch = envs_lib.make_env(ml_collections.ConfigDict(CFG), 4, 0)
+  want = batch.reset(7, first)
+  with make_pool() as pool:
+    obs = pool.reset(7, first)
+    np.testing.assert_array_equal(obs.images, want.images)
+    np.testing.assert_array_equal(obs.state, want.state)
+    ends = {}
+    still = np.zeros((4, CHUNK, SPEC.action_dim), np.float32)
+    for _ in range(8):
+      got, ref = pool.step_chunk(still), batch.step_chunk(still)
+      assert got.episodes == ref.episodes
+      for ep in got.episodes:
+        ends.setdefault(ep.env_id, ep.episode)
+    assert ends == {i: int(k) for i, k in enumerate(first)}
+    with pytest.raises(ValueError, match="first_episode must be 4 numbers"):
+      pool.reset(7, np.array([0, 1]))
+
+
 def test_recv_returns_sent_ids_with_their_rows_and_idle_envs_stay_put():
   rng = np.random.default_rng(1)
   envs, _ = reference_envs(4, seed=3)

@@ -48,9 +48,7 @@ class NormalizedEnv:
                                final_obs=self._obs(result.final_obs))
 
   def reset(self, seed: int, first_episode: np.ndarray | None = None) -> protocol.Observation:
-    # (an env pool's reset takes the seed alone: it numbers its workers' episodes itself)
-    raw = self.env.reset(seed) if first_episode is None else self.env.reset(seed, first_episode)
-    return self._obs(raw)
+    return self._obs(self.env.reset(seed, first_episode))
 
   def step_chunk(self, actions: np.ndarray) -> protocol.ChunkStep:
     return self._result(self.env.step_chunk(self.transform.actions(np.asarray(actions))))

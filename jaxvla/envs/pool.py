@@ -261,12 +261,12 @@ class _EnvBook:
     """Whether the caller holds every env's latest observation (none is in flight or ready)."""
     return all(s is EnvState.IDLE for s in self.state)
 
-  def start_reset(self) -> None:
-    """Forgets every result and starts counting episodes from 0 again."""
+  def start_reset(self, first_episode: np.ndarray | None = None) -> None:
+    """Forgets every result and starts counting episodes from ``first_episode`` (0)."""
     self.ready.clear()
     self.lost.clear()
     self.state = [EnvState.NEW] * len(self.state)
-    self.episode[:] = 0
+    self.episode[:] = 0 if first_episode is None else first_episode
 
   def finish_reset(self) -> None:
     """Every env holds the first observation of an episode."""
@@ -589,16 +589,23 @@ class EnvPool:
                        f"{reply.task}, worker {w.index}):\n{reply.traceback}")
 
   # ------------------------------------------------------------------ reset --
-  def reset(self, seed: int) -> protocol.Observation:
+  def reset(self, seed: int, first_episode: np.ndarray | None = None) -> protocol.Observation:
     """Resets every env; returns all ``[num_envs]`` observations.
 
-    Chunks still in flight are waited for and discarded. A worker that dies or
-    hangs during the reset is restarted (and reset) like during a step.
+    ``first_episode`` ``int [num_envs]``: each env's first episode number ``k`` (default 0;
+    see :meth:`jaxvla.envs.protocol.VecEnv.reset`). Chunks still in flight are waited
+    for and discarded. A worker that dies or hangs during the reset is restarted (and
+    reset) like during a step.
     """
     self._check_open()
+    if first_episode is not None:
+      first_episode = np.asarray(first_episode, np.int64)
+      if first_episode.shape != (self.num_envs,) or (first_episode < 0).any():
+        raise ValueError(f"first_episode must be {self.num_envs} numbers >= 0, got "
+                         f"{first_episode.tolist()}")
     while any(w.outstanding for w in self._workers):  # Let in-flight chunks finish.
       self._poll(None)
-    self._book.start_reset()  # No episode is lost when a worker fails during the reset.
+    self._book.start_reset(first_episode)  # No episode is lost when a worker fails during the reset.
     self._reset_seed = seed
     lost, errors = self._reset_workers()
     for w in lost:

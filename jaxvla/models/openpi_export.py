@@ -53,7 +53,9 @@ ASSETS_DIR = "assets"
 RL_KEY = "rl"
 POS_EMBEDDING = "PaliGemma/img/pos_embedding"
 # openpi's normalisation per model (its DataConfigFactory: use_quantile_norm = model != PI0).
-# The same table as jaxvla.policy_io.OPENPI_NORM_MODE, which sits above this package.
+# openpi normalises pi0's state and actions by z-score and pi0.5's (and FAST's) by
+# quantiles (its DataConfigFactory: use_quantile_norm = model_type != PI0). The one
+# owner of that rule: jaxvla.policy_io reads openpi checkpoints with it.
 OPENPI_NORM_MODE = {"pi0": "zscore", "pi05": "quantile"}
 
 
