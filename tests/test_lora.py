@@ -263,3 +263,26 @@ def test_lora_needs_a_flow_policy(smoke_config):
   smoke_config.model.lora = "both"
   with pytest.raises(ValueError, match="config.model.lora: adapters are on the pi0"):
     config_checks.validate(smoke_config)
+
+
+# ------------------------------------------------------------------ bench --
+class _FakeStep:
+  """``peak(B)`` of a step: flat until a kink, then linear (full fine-tuning's shape)."""
+
+  def __init__(self, floor: float, kink: int, slope: float):
+    self.floor, self.kink, self.slope, self.compiled = floor, kink, slope, []
+
+  def measure(self, b: int) -> dict:
+    self.compiled.append(b)
+    return dict(peak_gib=self.floor + self.slope * max(b - self.kink, 0))
+
+
+@pytest.mark.parametrize("floor,kink,slope", [(21.4, 0, 0.64), (75.4, 40, 0.6), (10.0, 3, 7.0)])
+def test_bench_memory_finds_the_largest_fitting_batch(floor, kink, slope):
+  from jaxvla.bench import memory  # pylint: disable=import-outside-toplevel
+  grid = [1, 16, 64, 256]
+  for budget in (24.0, 40.0, 80.0):
+    step = _FakeStep(floor, kink, slope)
+    got = memory.largest_fitting(step, budget, grid)
+    fits = [b for b in range(1, 300) if step.measure(b)["peak_gib"] <= budget]
+    assert got == (max(fits) if fits else 0), budget
