@@ -1,9 +1,9 @@
 """``jaxvla.eval`` on the real LIBERO (CPU): the suite protocol end to end.
 
-A tiny random policy is evaluated on two libero_object tasks, two episodes each, in
+A tiny random policy is evaluated on two libero_spatial tasks, two episodes each, in
 two worker processes. Checked: the suites' task lists come from LIBERO's benchmark;
 episode ``e`` of a task starts from the suite's init state ``e``; a failed episode
-runs the suite's full step limit (280 for libero_object) after the settle steps; the
+runs the suite's full step limit (220 for libero_spatial) after the settle steps; the
 table names LIBERO's instruction per task; a video is written; the policy's sizes are
 checked against LIBERO's before anything runs.
 """
@@ -42,8 +42,8 @@ def test_episode_e_starts_from_init_state_e():
     env.close()
 
 
-def test_two_object_tasks_end_to_end(tmp_path):
-  c = libero_config.get_config("libero_object/0")
+def test_two_spatial_tasks_end_to_end(tmp_path):
+  c = libero_config.get_config("libero_spatial/0")
   c.env.image_size = 32
   spec = spec_from_config(c.env)
   policy = policy_lib.make_policy(c.model, spec)
@@ -51,25 +51,25 @@ def test_two_object_tasks_end_to_end(tmp_path):
                                     c.to_json_best_effort())
   policy_io.write_spec(export, spec)
 
-  tasks = ["libero_object/0", "libero_object/1"]
+  tasks = ["libero_spatial/0", "libero_spatial/1"]
   results = eval_lib.run(export, str(tmp_path / "eval"), tasks=tasks, episodes_per_task=2,
                          num_envs=2, env_workers=2, videos_per_task=1, progress=False)
   assert [r["task"] for r in results["tasks"]] == tasks
   from libero.libero import benchmark
-  suite = benchmark.get_benchmark_dict()["libero_object"]()
+  suite = benchmark.get_benchmark_dict()["libero_spatial"]()
   for i, row in enumerate(results["tasks"]):
     assert row["instruction"] == suite.get_task(i).language
     assert row["episodes"] == 2
   with open(tmp_path / "eval" / eval_lib.EPISODES_FILE) as f:
     episodes = [json.loads(l) for l in f]
   for e in episodes:  # The suite's limit, settle steps not counted.
-    assert e["length"] == 280 if not e["success"] else e["length"] <= 280, e
+    assert e["length"] == 220 if not e["success"] else e["length"] <= 220, e
   assert sorted(os.listdir(tmp_path / "eval" / "videos")) == [
-      "libero_object_0_ep0.mp4", "libero_object_1_ep0.mp4"]
-  assert "| libero_object/0 (" in (tmp_path / "eval" / eval_lib.TABLE_FILE).read_text()
+      "libero_spatial_0_ep0.mp4", "libero_spatial_1_ep0.mp4"]
+  assert "| libero_spatial/0 (" in (tmp_path / "eval" / eval_lib.TABLE_FILE).read_text()
 
   # A policy built for 32 px does not fit LIBERO at 64 px: refused before any episode.
-  c64 = libero_config.get_config("libero_object/0")
+  c64 = libero_config.get_config("libero_spatial/0")
   with pytest.raises(ValueError, match=r"\(32, 32, 3\).*\(64, 64, 3\)"):
-    eval_lib.run(export, str(tmp_path / "bad"), config=c64, suite="libero_object",
+    eval_lib.run(export, str(tmp_path / "bad"), config=c64, suite="libero_spatial",
                  episodes_per_task=1, progress=False)
