@@ -169,3 +169,19 @@ def test_command_line_prints_the_table(export, tmp_path):
       [sys.executable, "-m", "jaxvla.eval", f"--policy={tmp_path / 'none'}",
        f"--out={tmp_path / 'd'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert bad.returncode == 1 and "no such directory" in bad.stderr
+
+
+def test_an_openpi_checkpoint_evaluates_with_a_config(tmp_path):
+  from jaxvla.models import openpi_export
+  c = default.get_config("smoke")
+  c.model.posemb = "learn"  # openpi's tree.
+  spec = builtin.spec_from_config(c.env)
+  policy = policy_lib.make_policy(c.model, spec)
+  step_dir = tmp_path / "openpi" / "1000"
+  openpi_export.export_openpi(str(step_dir), policy.init(jax.random.PRNGKey(0)), None,
+                              "colorreach", model="pi0", image_size=policy.net.image_size,
+                              patch_size=policy.net.vit.patch_size, identity_dims=(2, 2))
+  with pytest.raises(ValueError, match="openpi checkpoint, which has no jaxvla config"):
+    _run(str(step_dir), tmp_path / "no_config")
+  results = _run(str(step_dir), tmp_path / "e", config=c, episodes_per_task=3)
+  assert results["settings"]["policy_kind"] == "openpi" and results["episodes"] == 3
