@@ -403,8 +403,7 @@ def main(argv: list[str]) -> None:
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "Config file (':variant'): the env to evaluate in; for an openpi "
       "checkpoint also the model. Default: the policy's own run config.", lock_config=True)
-  policy = flags.DEFINE_string("policy", None, "A jaxvla export, run or checkpoints/ "
-                               "directory, or an openpi checkpoint step.", required=True)
+  policy_flags = policy_io.define_flags()
   out = flags.DEFINE_string("out", None, "Output directory (resumed if it holds a "
                             "killed evaluation with the same flags).", required=True)
   suite = flags.DEFINE_string("suite", None, "LIBERO suite: every task of it.")
@@ -419,9 +418,6 @@ def main(argv: list[str]) -> None:
   replan = flags.DEFINE_integer("replan_steps", None, "Actions executed per chunk (default: "
                                 "LIBERO 5, else model.chunk_len).")
   videos = flags.DEFINE_integer("videos_per_task", 1, "Episodes per task recorded as mp4.")
-  step = flags.DEFINE_integer("step", None, "Checkpoint step of a jaxvla run (default newest).")
-  asset_id = flags.DEFINE_string("asset_id", None, "openpi checkpoint: the assets/<id> whose "
-                                 "norm stats to use (default: the only one).")
 
   def body(args):
     if len(args) > 1:
@@ -429,11 +425,12 @@ def main(argv: list[str]) -> None:
     from jaxvla import runtime_env  # pylint: disable=import-outside-toplevel
     runtime_env.ensure()
     try:
-      results = run(policy.value, out.value, config=config_flag.value, suite=suite.value,
+      where = policy_flags.load_kwargs()
+      results = run(where["path"], out.value, config=config_flag.value, suite=suite.value,
                     tasks=tasks.value, episodes_per_task=episodes.value,
                     num_envs=num_envs.value, env_workers=workers.value, seed=seed.value,
-                    replan_steps=replan.value, videos_per_task=videos.value, step=step.value,
-                    asset_id=asset_id.value)
+                    replan_steps=replan.value, videos_per_task=videos.value,
+                    step=where["step"], asset_id=where["asset_id"])
     except (ValueError, FileNotFoundError) as e:
       sys.stderr.write(f"error: {e}\n")
       sys.exit(1)

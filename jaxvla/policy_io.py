@@ -72,6 +72,30 @@ class LoadedPolicy:
     return jax.jit(functools.partial(self.policy.act, mode=mode))
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyFlags:
+  """The command-line flags naming a policy (``--policy``, ``--step``, ``--asset_id``)."""
+  policy: object
+  step: object
+  asset_id: object
+
+  def load_kwargs(self) -> dict:
+    """``path``, ``step``, ``asset_id`` as :func:`load` takes them."""
+    return dict(path=self.policy.value, step=self.step.value, asset_id=self.asset_id.value)
+
+
+def define_flags() -> PolicyFlags:
+  """Defines the flags every command that loads a policy shares (one wording, one owner)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  return PolicyFlags(
+      policy=flags.DEFINE_string("policy", None, "A jaxvla export, run or checkpoints/ "
+                                 "directory, or an openpi checkpoint step.", required=True),
+      step=flags.DEFINE_integer("step", None, "Checkpoint step of a jaxvla run (default "
+                                "newest)."),
+      asset_id=flags.DEFINE_string("asset_id", None, "openpi checkpoint: the assets/<id> "
+                                   "whose norm stats to use (default: the only one)."))
+
+
 def detect(path: str) -> str:
   """Which of :data:`KINDS` ``path`` holds.
 

@@ -58,17 +58,13 @@ def main(argv: list[str]) -> None:
   serve_flag = config_flags.DEFINE_config_file(
       "serve", SERVE_CONFIG, "Server settings (configs/serve.py[:obs_map]).",
       lock_config=True)
-  policy = flags.DEFINE_string("policy", None, "A jaxvla export, run or checkpoints/ "
-                               "directory, or an openpi checkpoint step.", required=True)
+  policy_flags = policy_io.define_flags()
   obs_map = flags.DEFINE_string("obs_map", None, "Observation keys clients send: jaxvla, "
                                 "libero, droid or aloha (default: --serve's).")
   port = flags.DEFINE_integer("port", None, "TCP port (default: --serve's, 8000).")
   host = flags.DEFINE_string("host", None, "Interface (default: --serve's, all).")
   max_batch = flags.DEFINE_integer("max_batch", None, "Most requests per policy call.")
   wait_ms = flags.DEFINE_float("batch_wait_ms", None, "How long a batch waits to fill.")
-  step = flags.DEFINE_integer("step", None, "Checkpoint step of a jaxvla run (default newest).")
-  asset_id = flags.DEFINE_string("asset_id", None, "openpi checkpoint: the assets/<id> whose "
-                                 "norm stats to use (default: the only one).")
 
   def body(args):
     if len(args) > 1:
@@ -80,8 +76,7 @@ def main(argv: list[str]) -> None:
       config = serve_config(serve_flag.value, obs_map=obs_map.value, port=port.value,
                             host=host.value, max_batch=max_batch.value,
                             batch_wait_ms=wait_ms.value)
-      loaded = policy_io.load(policy.value, config_flag.value, step=step.value,
-                              asset_id=asset_id.value)
+      loaded = policy_io.load(config=config_flag.value, **policy_flags.load_kwargs())
       server = server_lib.PolicyServer(loaded, config)
     except (ValueError, FileNotFoundError) as e:
       sys.stderr.write(f"error: {e}\n")
