@@ -103,3 +103,15 @@ def test_not_a_policy_directory(tmp_path):
     policy_io.detect(str(tmp_path / "missing"))
   with pytest.raises(FileNotFoundError, match="is none of"):
     policy_io.detect(str(tmp_path))
+
+
+def test_an_export_written_before_a_model_key_existed_loads(tmp_path):
+  import json
+  c, spec, policy = _setup()
+  stored = json.loads(c.to_json_best_effort())
+  for key in [k for k in stored["model"] if k.startswith("lora")]:  # Added after the run.
+    del stored["model"][key]
+  out = checkpoint.export_policy(str(tmp_path / "export"), policy.init(jax.random.PRNGKey(0)),
+                                 json.dumps(stored))
+  loaded = policy_io.load(out)
+  assert loaded.config.model.lora == default.get_config().model.lora
