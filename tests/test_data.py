@@ -762,7 +762,7 @@ class _RecordingEnv:
   def group_ids(self):
     return np.arange(2)
 
-  def reset(self, seed):  # (as the env pool's: no first_episode)
+  def reset(self, seed, first_episode=None):
     return self._obs(2)
 
   def _result(self, b):

@@ -234,7 +234,7 @@ def test_evaluation_env_in_workers_plays_the_same_episodes():
         def prepare(obs):
           return obs
 
-      def act(params, batch, key):
+      def act(params, batch, key, ids):  # (row_keyed_act's signature)
         return types.SimpleNamespace(  # (evaluation reads .actions [B, H, A])
             actions=rng.uniform(-1, 1, (c.eval.num_episodes, c.model.chunk_len, 2)))
 
