@@ -371,13 +371,13 @@ def run(policy: str, out_dir: str, *, config: ml_collections.ConfigDict | None =
       seed=seed, reset_seed=LIBERO_RESET_SEED if libero else seed, replan_steps=replan,
       env_config=json.dumps({k: v for k, v in env_base.to_dict().items() if k != "task"},
                             sort_keys=True))
-  done = _start(out_dir, settings)
-  act_fn = evaluate_lib.row_keyed_act(loaded.policy)
   workers = min(run_config.env_workers if env_workers is None else env_workers,
                 settings.num_envs)
   if workers < 0 or (workers and settings.num_envs % workers):
     raise ValueError(f"--env_workers={workers} must be >= 0 and divide the episodes run in "
                      f"parallel ({settings.num_envs}, --num_envs)")
+  done = _start(out_dir, settings)
+  act_fn = evaluate_lib.row_keyed_act(loaded.policy)
   total = len(configs) * episodes_per_task
   with tqdm.tqdm(total=total, initial=len(done), unit="episode", disable=not progress,
                  file=sys.stderr) as bar, \

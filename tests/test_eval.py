@@ -155,7 +155,10 @@ def test_bad_input_fails_at_start_naming_it(export, tmp_path):
     _run(export, tmp_path / "y", config=c)
   with pytest.raises(FileNotFoundError, match="is none of"):
     _run(str(tmp_path), tmp_path / "z")
-  assert not os.path.exists(tmp_path / "y")  # Nothing written before the checks.
+  with pytest.raises(ValueError, match="--env_workers=2 must be >= 0 and divide"):
+    _run(export, tmp_path / "w", num_envs=3, env_workers=2)
+  # Nothing written before the checks.
+  assert not os.path.exists(tmp_path / "y") and not os.path.exists(tmp_path / "w")
 
 
 def test_command_line_prints_the_table(export, tmp_path):

@@ -22,7 +22,7 @@ from configs import default
 from jaxvla import policy_io
 from jaxvla.data import norm_stats
 from jaxvla.envs import builtin
-from jaxvla.models import layers, openpi_export, openpi_import, summary
+from jaxvla.models import layers, lora, openpi_export, openpi_import, summary
 from jaxvla.models import policy as policy_lib
 from tests.conftest import ROOT
 
@@ -184,29 +184,14 @@ def test_normaliser_rules(tmp_path):
     _export(tmp_path, "pi0", params, pol, None, identity_dims=(2, 2))
 
 
-def test_lora_adapters_are_merged_or_refused(tmp_path, monkeypatch):
-  """LoRA leaves are folded in by jaxvla.models.lora.merge_lora, or refused without it."""
+def test_lora_adapters_are_merged(tmp_path):
+  """LoRA leaves are folded in by jaxvla.models.lora.merge_lora."""
   _, _, pol, params = _policy("pi0")
   q = params["PaliGemma"]["llm"]["layers"]["attn"]["q_einsum"]
   layers_, heads, width, head_dim = q["w"].shape
   rng = np.random.default_rng(0)
   q["lora_a"] = jnp.asarray(rng.normal(size=(layers_, heads, width, 4)), jnp.float32)
   q["lora_b"] = jnp.asarray(rng.normal(size=(layers_, heads, 4, head_dim)), jnp.float32)
-  real_import = openpi_export.importlib.import_module
-
-  def no_lora(name):
-    if name == "jaxvla.models.lora":
-      raise ModuleNotFoundError(name)
-    return real_import(name)
-
-  with monkeypatch.context() as m:
-    m.setattr(openpi_export.importlib, "import_module", no_lora)
-    with pytest.raises(ValueError, match="merge_lora"):
-      _export(tmp_path / "a", "pi0", params, pol, _normalizer("zscore"))
-  try:
-    lora = real_import("jaxvla.models.lora")
-  except ModuleNotFoundError:
-    pytest.skip("jaxvla.models.lora is not in this checkout")
   out = _export(tmp_path / "b", "pi0", params, pol, _normalizer("zscore"))
   assert out["merged_lora"]
   restored = openpi_import.flatten(_openpi_restore_params(out["params"]))

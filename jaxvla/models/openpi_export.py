@@ -34,7 +34,6 @@ statistics under which openpi's transform leaves values unchanged up to its ``1e
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -46,7 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxvla.data import norm_stats
-from jaxvla.models import layers, openpi_import, summary
+from jaxvla.models import layers, lora, openpi_import, summary
 
 PARAMS_DIR = "params"
 ASSETS_DIR = "assets"
@@ -68,21 +67,8 @@ def _spec(model: str, spec_path: str = summary.DEFAULT_SPEC) -> dict[str, dict]:
   return models[model]["params"]
 
 
-def _has_lora(flat: Mapping[str, Any]) -> bool:
-  return any("lora" in part for path in flat for part in path.split("/"))
-
-
-def _merge_lora(params: dict) -> dict:
-  """``params`` with every adapter folded in (``jaxvla.models.lora.merge_lora``)."""
-  try:
-    lora = importlib.import_module("jaxvla.models.lora")
-  except ModuleNotFoundError:
-    lora = None
-  if lora is None or not hasattr(lora, "merge_lora"):
-    raise ValueError("the params hold LoRA weights ('lora' leaves) but "
-                     "jaxvla.models.lora.merge_lora is not available to fold them in; "
-                     "openpi's non-LoRA tree has no place for them")
-  return lora.merge_lora(params)
+def _has_lora(tree: Mapping[str, Any]) -> bool:
+  return any(lora.is_adapter(path) for path in openpi_import.flatten(tree))
 
 
 def openpi_tree(params: Mapping[str, Any], model: str, *, image_size: int,
@@ -101,8 +87,8 @@ def openpi_tree(params: Mapping[str, Any], model: str, *, image_size: int,
   """
   spec = _spec(model)
   tree = {k: v for k, v in params.items() if k != RL_KEY}
-  if _has_lora(openpi_import.flatten(tree)):
-    tree = _merge_lora(tree)
+  if _has_lora(tree):
+    tree = lora.merge_lora(tree)
   flat = openpi_import.flatten(tree)
   if POS_EMBEDDING in spec and POS_EMBEDDING not in flat:
     width = flat["PaliGemma/img/embedding/kernel"].shape[-1]
@@ -191,7 +177,7 @@ def export_openpi(out_dir: str, params: Mapping[str, Any],
   params_dir = os.path.join(out_dir, PARAMS_DIR)
   if os.path.exists(params_dir):
     raise FileExistsError(f"{params_dir} exists; export to a new directory")
-  merged = _has_lora(openpi_import.flatten({k: v for k, v in params.items() if k != RL_KEY}))
+  merged = _has_lora({k: v for k, v in params.items() if k != RL_KEY})
   tree = jax.device_get(openpi_tree(params, model, image_size=image_size,
                                     patch_size=patch_size))
   os.makedirs(out_dir, exist_ok=True)
