@@ -17,18 +17,15 @@ A ``config`` passed for a jaxvla export or checkpoint replaces the stored one
 (e.g. another env to evaluate on); the stored model must still fit it.
 
 The result (:class:`LoadedPolicy`) holds the config, the env spec the policy acts
-in, the policy, its params and the normaliser; :meth:`LoadedPolicy.act_fn` is the
-jitted evaluation sampler. The evaluation (:mod:`jaxvla.eval`), the policy server
-(:mod:`jaxvla.serve`) and the openpi export all load through here.
+in, the policy, its params and the normaliser. The evaluation (:mod:`jaxvla.eval`),
+the policy server (:mod:`jaxvla.serve`) and the openpi export all load through here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
-from typing import Callable
 
 import jax
 import ml_collections
@@ -66,10 +63,6 @@ class LoadedPolicy:
   normalizer: norm_stats.Normalizer | None
   kind: str
   path: str
-
-  def act_fn(self, mode: str = "eval") -> Callable:
-    """``act(params, batch, rng) -> ActOutput``, jitted, with the ``mode`` sampler."""
-    return jax.jit(functools.partial(self.policy.act, mode=mode))
 
 
 @dataclasses.dataclass(frozen=True)

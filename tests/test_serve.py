@@ -23,6 +23,7 @@ served with openpi's LIBERO keys:
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -102,7 +103,8 @@ def _own_act(loaded: policy_io.LoadedPolicy, request: dict, mask_right: bool = T
       state=loaded.normalizer.state(np.asarray(request["observation/state"], np.float32)[None]),
       instruction=np.array([request["prompt"]], object),
       image_mask=np.array([[True, True, not mask_right]]))
-  out = loaded.act_fn()(loaded.params, loaded.policy.prepare(obs), jax.random.PRNGKey(0))
+  act = jax.jit(functools.partial(loaded.policy.act, mode="eval"))  # The policy's own.
+  out = act(loaded.params, loaded.policy.prepare(obs), jax.random.PRNGKey(0))
   return loaded.normalizer.actions(np.asarray(out.actions[0]))
 
 

@@ -68,10 +68,12 @@ class EpisodeResult:
 def row_keyed_act(policy: contract.Policy, mode: str = "eval") -> Callable:
   """``act(params, batch, rng, ids) -> ActOutput``, jitted, each row with its own key.
 
-  ``ids`` ``int32 [B, 3]`` = (env id, episode number, chunk number in the episode);
-  row ``b`` samples with ``fold_in(rng, ids[b])``, so an episode's noise is a function
-  of the episode alone, not of which other episodes share the batch: a resumed or
-  re-batched evaluation plays the same episodes. The policy runs per row (``vmap``).
+  Row ``b`` samples with ``rng`` folded with each of ``ids[b]`` in turn (``ids``
+  ``int [B, n]``, ``n >= 0``; ``n = 0``: every row samples with ``rng`` itself). The
+  evaluation passes (env id, episode number, chunk number in the episode), so an
+  episode's noise is a function of the episode alone, not of which other episodes share
+  the batch: a resumed or re-batched evaluation plays the same episodes. The policy
+  server passes a request counter or nothing. The policy runs per row (``vmap``).
   """
   def one(params, row: dict, key: jax.Array):
     out = policy.act(params, jax.tree.map(lambda x: x[None], row), key, mode=mode)

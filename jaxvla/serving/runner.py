@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxvla import policy_io
 from jaxvla.envs import protocol
+from jaxvla.rollout import evaluate as evaluate_lib
 
 NOISE_MODES = ("fixed", "per_request")
 _log = logging.getLogger("jaxvla.serve")
@@ -67,15 +68,10 @@ class PolicyRunner:
     self.loaded, self.noise = loaded, noise
     self.sizes = batch_sizes(max_batch)
     self.horizon, self.action_dim = loaded.policy.chunk_len, loaded.spec.action_dim
-    act = loaded.act_fn(sampler)
-    base = jax.random.PRNGKey(seed)
-
-    def one(params, row: dict, counter: jax.Array) -> jax.Array:
-      """A batch of one row -> its actions ``[H, A]`` (normalised)."""
-      key = base if noise == "fixed" else jax.random.fold_in(base, counter)
-      return act(params, jax.tree.map(lambda x: x[None], row), key).actions[0]
-
-    self._act = jax.jit(jax.vmap(one, in_axes=(None, 0, 0)))
+    # One key per row (the policy vmapped over rows): fixed noise folds in nothing, so
+    # every key is PRNGKey(seed); per-request noise folds in the request's counter.
+    self._act = evaluate_lib.row_keyed_act(loaded.policy, sampler)
+    self._key = jax.random.PRNGKey(seed)
     self._requests = 0  # Requests answered so far: the per_request noise counter.
 
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]:
@@ -96,9 +92,11 @@ class PolicyRunner:
       raise ValueError(f"{n} requests in one call; max_batch is {self.sizes[-1]}")
     batch = {k: np.concatenate([r[k] for r in rows] + [rows[0][k]] * (size - n))
              for k in rows[0]}
-    counters = np.arange(self._requests, self._requests + size, dtype=np.uint32)
+    counters = np.arange(self._requests, self._requests + size, dtype=np.uint32)[:, None]
     self._requests += n
-    actions = np.asarray(jax.device_get(self._act(self.loaded.params, batch, counters)))[:n]
+    ids = counters[:, :0] if self.noise == "fixed" else counters  # [size, 0 or 1]
+    out = self._act(self.loaded.params, batch, self._key, ids)
+    actions = np.asarray(jax.device_get(out.actions))[:n]
     if self.loaded.normalizer is not None:
       actions = self.loaded.normalizer.actions(actions)
     return actions.astype(np.float32), size
