@@ -28,7 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FLAGS = {  # Every async level, an env pool, a checkpoint after every update.
     "pipeline.mode": "async", "pipeline.train_async": True, "pipeline.rollout_async": True,
     "pipeline.streamer": True, "pipeline.micro_batch_segments": 2, "pipeline.max_staleness": 1,
-    "ppo.num_epochs": 1, "ppo.advantage_norm": "none", "env_workers": 2, "env_step_timeout_s": 60.0, "env_hang_floor_s": 4.0,
+    "ppo.num_epochs": 1, "ppo.advantage_norm": "none", "env_workers": 2,
+    # A hang is found within 10 s (the timeout caps 10x the slowest chunk so far).
+    "env_step_timeout_s": 10.0, "env_hang_floor_s": 4.0,
     "checkpoint.every_iters": 1, "checkpoint.max_to_keep": 3, "eval.every_iters": 1000,
 }
 
@@ -51,15 +53,20 @@ def _workers(pid: int) -> list[psutil.Process]:
 
 class _Chaos:
   """Once ``ready()`` (the run is training: a worker that dies while the pool starts
-  fails the run, by design), kills a random env worker of run ``pid`` every 1.5-3 s,
-  and hangs one (SIGSTOP) once, after the first kill; counts what it did.
+  fails the run, by design), faults the env workers of run ``pid`` and counts what it
+  did. The first fault kills one worker and hangs (SIGSTOP) another at the same moment:
+  the pool restarts the dead one while the hung one's timeout runs. Later faults each
+  kill one random worker.
 
   A worker that fails again right after its restart fails the run (the pool does not
   restart in a loop), so each fault waits until the run has made ``UPDATES_BETWEEN``
-  more updates (``updates()``, its train records) since the last one: the pool restarts
-  a worker synchronously, before it steps again, so by then the replacement is running.
-  (Waiting for the worker's age alone was flaky on a loaded machine, where a start took
-  more than the 15 s waited.)"""
+  more updates (``updates()``, its train records) since the last one, and picks only
+  workers that were there at the last fault (at ``ready()``, for the first): a
+  replacement started by that fault may still be starting. The pool restarts a worker
+  synchronously, before it steps again, so two faults later (four updates, more than
+  the queue can feed while the rollout waits for a restart) a replacement is running.
+  (Waiting for a worker's age instead was flaky on a loaded machine, where a start took
+  longer than the age waited, and idled the test.)"""
 
   UPDATES_BETWEEN = 2
 
@@ -67,35 +74,42 @@ class _Chaos:
     self.pid, self.rng, self.ready, self.updates = pid, random.Random(seed), ready, updates
     self.kills = self.hangs = 0
     self._next_at = 0  # Updates the run must have made before the next fault.
+    self._eligible = None  # Pids of the workers a fault may hit: those seen at the last.
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
 
   def _run(self) -> None:
-    while not self._stop.wait(self.rng.uniform(1.5, 3.0)):
+    while not self._stop.wait(self.rng.uniform(0.5, 1.5)):
       if not self.ready() or self.updates() < self._next_at:
         continue
-      # Workers well past their start (imports take seconds): a worker that fails
-      # right after a restart fails the run (the pool does not restart in a loop).
+      if self._eligible is None:  # The pool's first workers have started.
+        self._eligible = {w.pid for w in _workers(self.pid)}
+      # (pids, not create_time(): that is only as exact as the boot time, to a second)
       workers = [w for w in _workers(self.pid) if w.status() != psutil.STATUS_STOPPED
-                 and time.time() - w.create_time() > 15.0]
-      if not workers:
+                 and w.pid in self._eligible]
+      if len(workers) < (1 if self.hangs else 2):
         continue
-      victim = self.rng.choice(workers)
       self._next_at = self.updates() + self.UPDATES_BETWEEN
-      try:
-        if self.kills and not self.hangs:
-          victim.send_signal(signal.SIGSTOP)  # Hung: the pool must notice and replace it.
-          self.hangs += 1
-        else:
-          victim.send_signal(signal.SIGKILL)
-          self.kills += 1
-      except psutil.NoSuchProcess:
-        pass
+      self._eligible = {w.pid for w in _workers(self.pid)}
+      victim, *others = self.rng.sample(workers, len(workers))
+      if not self.hangs and _signal(others[0], signal.SIGSTOP):
+        self.hangs += 1  # Hung: the pool must notice and replace it.
+      if _signal(victim, signal.SIGKILL):
+        self.kills += 1
 
   def stop(self) -> None:
     self._stop.set()
     self._thread.join(10)
+
+
+def _signal(process: psutil.Process, sig: int) -> bool:
+  """Sends ``sig``; False if the process is already gone."""
+  try:
+    process.send_signal(sig)
+    return True
+  except psutil.NoSuchProcess:
+    return False
 
 
 def _start(workdir: str, log_path, total_env_steps: int, resume: bool) -> subprocess.Popen:
@@ -222,6 +236,10 @@ def test_every_env_step_is_accounted_for_through_faults_and_a_resume(tmp_path, s
         break
       time.sleep(0.5)
     chaos.stop()
+    # A fault chaos made after the records above: wait until the run has seen it.
+    while (time.time() < deadline and proc.poll() is None
+           and _records(workdir, "train")[-1]["env_restarts"] < chaos.kills + chaos.hangs):
+      time.sleep(0.5)
     assert proc.poll() is None, (tmp_path / "b.txt").read_text(errors="replace")[-3000:]
     proc.send_signal(signal.SIGINT)  # Stops after the current update (mid-update data).
     out, _ = proc.communicate(timeout=300)
