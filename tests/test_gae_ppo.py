@@ -235,7 +235,7 @@ def test_mean_ratio_is_the_geometric_mean_of_the_terms(algorithm):
   cfg = ml_collections.ConfigDict(dict(
       algorithm=algorithm, ratio="mean", advantage_norm="none", gamma=0.99, gae_lambda=0.95,
       clip_eps=0.2, value_coef=0.0, entropy_coef=0.0, correction="none", is_clip=0.0,
-      loss_normalizer="chunks"))
+      behaviour_clip=0.0, loss_normalizer="chunks"))
   objective = objectives.make_objective(_FixedLogProbs(), cfg)
   if algorithm == "ppo":
     rows = dict(batch={}, chain=jnp.zeros(n), log_prob=old_lp, adv=adv, returns=jnp.zeros(n))
@@ -290,7 +290,7 @@ def test_learner_value_targets_and_staleness_diagnostics(value_targets):
   cfg = ml_collections.ConfigDict(dict(
       algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets=value_targets,
       correction="decoupled", num_epochs=2, num_minibatches=2, clip_eps=0.2, value_coef=0.5,
-      entropy_coef=0.0, is_clip=2.0))
+      entropy_coef=0.0, is_clip=2.0, behaviour_clip=0.0))
   objective = objectives.PPOObjective(_TableCritic(), cfg)
   params = dict(lp=jnp.asarray(f32(t_len * b)), v=jnp.asarray(f32(t_len * b)))
   rows = update._with_proximal(objective, params, traj, objective.rows(traj),  # pylint: disable=protected-access
@@ -345,8 +345,8 @@ def test_ess_step_scale_shrinks_the_step_by_the_weights_effective_sample_size():
     cfg = ml_collections.ConfigDict(dict(
         algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets="rollout",
         correction="decoupled", num_epochs=1, num_minibatches=1, clip_eps=0.2,
-        value_coef=0.5, entropy_coef=0.0, is_clip=2.0, advantage_norm="none", target_kl=0.0,
-        step_scale=step_scale))
+        value_coef=0.5, entropy_coef=0.0, is_clip=2.0, behaviour_clip=0.0, advantage_norm="none",
+        target_kl=0.0, step_scale=step_scale))
     tx = optax.sgd(0.1)
     new, _, metrics = update.epochs_update(objectives.PPOObjective(_TableCritic(), cfg), tx,
                                            cfg, params, tx.init(params), traj,

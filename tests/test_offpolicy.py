@@ -10,10 +10,12 @@ import pytest
 from jaxvla.algorithms import grpo, ppo
 
 CLIP_EPS, VALUE_COEF, ENTROPY_COEF = 0.2, 0.5, 0.01
-# (correction, is_clip): decoupled is checked with and without truncation.
-CASES = [("none", 0.0), ("decoupled", 0.0), ("decoupled", 1.3), ("truncated_is", 1.3)]
+# (correction, is_clip, behaviour_clip): decoupled is checked with and without
+# truncation, and with the behaviour's trust region.
+CASES = [("none", 0.0, 0.0), ("decoupled", 0.0, 0.0), ("decoupled", 1.3, 0.0),
+         ("decoupled", 1.3, 1.5), ("truncated_is", 1.3, 0.0)]
 METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "is_weight",
-           "is_truncated_frac")
+           "is_truncated_frac", "behaviour_clip_frac")
 
 
 def make_inputs(n, seed=0):
@@ -28,7 +30,7 @@ def make_inputs(n, seed=0):
               w=w / w.sum())
 
 
-def numpy_ppo(d, correction, is_clip):
+def numpy_ppo(d, correction, is_clip, behaviour_clip=0.0):
   """Reference loss, metrics and d loss / d new_log_prob."""
   new, old, prox, adv, w = d["new"], d["old"], d["prox"], d["adv"], d["w"]
   ref = prox if correction == "decoupled" else old
@@ -50,17 +52,23 @@ def numpy_ppo(d, correction, is_clip):
     pg_terms = -rho * np.minimum(unclipped, clipped)
     # The unclipped branch carries the gradient where it is the minimum; clipped: none.
     grad = -w * rho * unclipped * (unclipped <= clipped)
+  held = np.zeros_like(ratio, bool)
+  if behaviour_clip > 0:  # Moved past the factor in the advantage's direction: held.
+    moved = new - old
+    held = ((moved > np.log(behaviour_clip)) & (adv > 0)) | (
+        (moved < -np.log(behaviour_clip)) & (adv < 0))
+    grad = np.where(held, 0.0, grad)
   metrics = dict(
       policy_loss=np.sum(w * pg_terms), value_loss=0.5 * np.sum(w * (d["val"] - d["ret"]) ** 2),
       entropy=np.sum(w * d["ent"]), approx_kl=np.sum(w * (ratio - 1 - np.log(ratio))),
       clip_frac=np.sum(w * (np.abs(ratio - 1) > CLIP_EPS)), is_weight=np.sum(w * rho),
-      is_truncated_frac=np.sum(w * truncated))
+      is_truncated_frac=np.sum(w * truncated), behaviour_clip_frac=np.sum(w * held))
   loss = (metrics["policy_loss"] + VALUE_COEF * metrics["value_loss"]
           - ENTROPY_COEF * metrics["entropy"])
   return loss, metrics, grad
 
 
-def jax_ppo(d, correction, is_clip, weights="w"):
+def jax_ppo(d, correction, is_clip, behaviour_clip=0.0, weights="w"):
   """Loss, metrics and gradients w.r.t. (new_log_prob, new_value, entropy)."""
   f32 = lambda k: jnp.asarray(d[k], jnp.float32)
   w = None if weights is None else f32(weights)
@@ -68,18 +76,19 @@ def jax_ppo(d, correction, is_clip, weights="w"):
   def loss_fn(new, val, ent):
     return ppo.ppo_loss(new, f32("old"), f32("adv"), val, f32("ret"), ent, clip_eps=CLIP_EPS,
                         value_coef=VALUE_COEF, entropy_coef=ENTROPY_COEF, weights=w,
-                        correction=correction, proximal_log_prob=f32("prox"), is_clip=is_clip)
+                        correction=correction, proximal_log_prob=f32("prox"), is_clip=is_clip,
+                        behaviour_clip=behaviour_clip)
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)(
       f32("new"), f32("val"), f32("ent"))
   return loss, metrics, grads
 
 
-@pytest.mark.parametrize("correction,is_clip", CASES)
-def test_corrections_match_numpy(correction, is_clip):
+@pytest.mark.parametrize("correction,is_clip,behaviour_clip", CASES)
+def test_corrections_match_numpy(correction, is_clip, behaviour_clip):
   d = make_inputs(64)
-  loss, metrics, (g_new, g_val, g_ent) = jax_ppo(d, correction, is_clip)
-  ref_loss, ref_metrics, ref_grad = numpy_ppo(d, correction, is_clip)
+  loss, metrics, (g_new, g_val, g_ent) = jax_ppo(d, correction, is_clip, behaviour_clip)
+  ref_loss, ref_metrics, ref_grad = numpy_ppo(d, correction, is_clip, behaviour_clip)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
   for k in METRICS:
     np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
@@ -89,14 +98,16 @@ def test_corrections_match_numpy(correction, is_clip):
   np.testing.assert_allclose(g_ent, -ENTROPY_COEF * d["w"], rtol=1e-5)
   if is_clip > 0:  # The case must exercise truncation, or it checks nothing about it.
     assert 0 < ref_metrics["is_truncated_frac"] < 1
+  if behaviour_clip > 0:  # And the trust region must hold some chunks, not all.
+    assert 0 < ref_metrics["behaviour_clip_frac"] < 1
 
 
-@pytest.mark.parametrize("correction,is_clip", CASES)
-def test_weights_none_is_the_mean(correction, is_clip):
+@pytest.mark.parametrize("correction,is_clip,behaviour_clip", CASES)
+def test_weights_none_is_the_mean(correction, is_clip, behaviour_clip):
   d = make_inputs(48, seed=1)
   d["uniform"] = np.full(48, 1 / 48)
-  loss, metrics, grads = jax_ppo(d, correction, is_clip, weights=None)
-  ref_loss, ref_metrics, ref_grads = jax_ppo(d, correction, is_clip, weights="uniform")
+  loss, metrics, grads = jax_ppo(d, correction, is_clip, behaviour_clip, weights=None)
+  ref_loss, ref_metrics, ref_grads = jax_ppo(d, correction, is_clip, behaviour_clip, weights="uniform")
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for k in METRICS:
     np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-6, atol=1e-7, err_msg=k)
@@ -107,15 +118,15 @@ def test_weights_none_is_the_mean(correction, is_clip):
     assert float(metrics["is_truncated_frac"]) == 0.0
 
 
-@pytest.mark.parametrize("correction,is_clip", CASES)
-def test_micro_batches_add_up_to_the_batch(correction, is_clip):
+@pytest.mark.parametrize("correction,is_clip,behaviour_clip", CASES)
+def test_micro_batches_add_up_to_the_batch(correction, is_clip, behaviour_clip):
   d = make_inputs(40, seed=2)
   h = 17  # Uneven halves: the weights are global, not per micro-batch.
   first = {k: v[:h] for k, v in d.items()}
   second = {k: v[h:] for k, v in d.items()}
-  loss, metrics, grads = jax_ppo(d, correction, is_clip)
-  loss_a, metrics_a, grads_a = jax_ppo(first, correction, is_clip)
-  loss_b, metrics_b, grads_b = jax_ppo(second, correction, is_clip)
+  loss, metrics, grads = jax_ppo(d, correction, is_clip, behaviour_clip)
+  loss_a, metrics_a, grads_a = jax_ppo(first, correction, is_clip, behaviour_clip)
+  loss_b, metrics_b, grads_b = jax_ppo(second, correction, is_clip, behaviour_clip)
   np.testing.assert_allclose(loss, loss_a + loss_b, rtol=1e-5, atol=1e-7)
   for k in METRICS:
     np.testing.assert_allclose(metrics[k], metrics_a[k] + metrics_b[k], rtol=1e-5, atol=1e-7,
@@ -124,8 +135,8 @@ def test_micro_batches_add_up_to_the_batch(correction, is_clip):
     np.testing.assert_allclose(g, np.concatenate([ga, gb]), rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("correction,is_clip", CASES)
-def test_zero_weight_padding_contributes_nothing(correction, is_clip):
+@pytest.mark.parametrize("correction,is_clip,behaviour_clip", CASES)
+def test_zero_weight_padding_contributes_nothing(correction, is_clip, behaviour_clip):
   d = make_inputs(16, seed=3)
   pad = make_inputs(8, seed=4)
   pad["new"] = pad["old"] + 1000.0  # exp overflows to inf in float32.
@@ -133,8 +144,8 @@ def test_zero_weight_padding_contributes_nothing(correction, is_clip):
   pad["adv"] = np.full(8, 1e6)
   pad["w"] = np.zeros(8)
   padded = {k: np.concatenate([d[k], pad[k]]) for k in d}
-  loss, metrics, grads = jax_ppo(padded, correction, is_clip)
-  ref_loss, ref_metrics, ref_grads = jax_ppo(d, correction, is_clip)
+  loss, metrics, grads = jax_ppo(padded, correction, is_clip, behaviour_clip)
+  ref_loss, ref_metrics, ref_grads = jax_ppo(d, correction, is_clip, behaviour_clip)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for k in METRICS:
     np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-6, atol=1e-9, err_msg=k)
@@ -165,6 +176,8 @@ def test_bad_arguments_are_named():
     loss(correction="decoupled")
   with pytest.raises(ValueError, match="is_clip"):
     loss(correction="truncated_is", is_clip=0.0)
+  with pytest.raises(ValueError, match="behaviour_clip must be 0 .* got 0.5"):
+    loss(correction="decoupled", proximal_log_prob=x, behaviour_clip=0.5)
   with pytest.raises(ValueError, match="'bogus'.*chunks"):
     grpo.chunk_weights(np.ones((2, 3), bool), "bogus")
 
@@ -172,9 +185,10 @@ def test_bad_arguments_are_named():
 def test_loss_kwargs_read_the_ppo_config():
   from configs import default
   cfg = default.get_config().ppo
-  cfg.correction, cfg.is_clip = "truncated_is", 2.0
+  cfg.correction, cfg.is_clip, cfg.behaviour_clip = "truncated_is", 2.0, 3.0
   kwargs = ppo.loss_kwargs(cfg)
-  assert (kwargs["correction"], kwargs["is_clip"]) == ("truncated_is", 2.0)
+  assert (kwargs["correction"], kwargs["is_clip"], kwargs["behaviour_clip"]) == (
+      "truncated_is", 2.0, 3.0)
 
 
 def numpy_group_advantages(returns, groups, valid, scale, eps):

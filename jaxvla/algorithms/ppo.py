@@ -11,6 +11,13 @@ sampled by the current parameters (``CORRECTIONS``):
 * ``"truncated_is"``: an off-policy policy gradient with truncated importance
   weights (IMPALA's rho-bar), no clipping.
 
+With ``"decoupled"``, ``behaviour_clip = c > 1`` adds a trust region around the
+*behaviour* that acts even in an update of one optimizer step (where the ratio to
+the proximal policy is 1 and PPO's clip cannot act): a chunk whose probability the
+current policy has already moved by more than a factor ``c`` from the behaviour, in
+the direction its advantage asks for (up for ``A > 0``, down for ``A < 0``), gives no
+gradient. Chunks that moved against their advantage keep theirs.
+
 Every term is a weighted *sum* over chunks, so that a streamed learner can add
 up micro-batch gradients: with global weights (e.g. ``1 / N_global`` on each
 chunk) the sum of the micro-batch losses is the loss of the whole batch.
@@ -19,6 +26,7 @@ chunk) the sum of the micro-batch losses is the loss of the whole batch.
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 CORRECTIONS = ("none", "decoupled", "truncated_is")
 
@@ -43,7 +51,7 @@ def log_prob_scale(ratio: str, terms: int) -> float:
 
 
 def _check_correction(correction: str, proximal_log_prob: jax.Array | None,
-                      is_clip: float) -> None:
+                      is_clip: float, behaviour_clip: float = 0.0) -> None:
   """Raises ValueError naming what is wrong with the correction's arguments."""
   if correction not in CORRECTIONS:
     raise ValueError(f"unknown ppo correction {correction!r}; choose one of {CORRECTIONS}")
@@ -52,25 +60,28 @@ def _check_correction(correction: str, proximal_log_prob: jax.Array | None,
                      "the params at the start of the update)")
   if correction == "truncated_is" and not is_clip > 0:
     raise ValueError(f"ppo correction 'truncated_is' needs is_clip > 0, got is_clip={is_clip}")
+  if not (behaviour_clip == 0 or behaviour_clip > 1):
+    raise ValueError(f"ppo behaviour_clip must be 0 (off) or > 1, got {behaviour_clip}")
 
 
 def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: jax.Array,
                   advantages: jax.Array, *, correction: str, clip_eps: float,
-                  is_clip: float) -> tuple[jax.Array, ...]:
+                  is_clip: float, behaviour_clip: float = 0.0) -> tuple[jax.Array, ...]:
   """Per-chunk policy loss and its diagnostics; every input and output is ``[N]``.
 
   Returns:
-    ``(loss, log_ratio, is_weight, truncated)``: the policy loss of each chunk,
+    ``(loss, log_ratio, is_weight, truncated, held)``: the policy loss of each chunk,
     the log-ratio of the current to the ratio's reference policy (behaviour, or
-    proximal for "decoupled"), the importance weight applied and whether that
-    weight was truncated at ``is_clip`` (float 0/1).
+    proximal for "decoupled"), the importance weight applied, whether that
+    weight was truncated at ``is_clip`` and whether ``behaviour_clip`` held the chunk's
+    gradient at 0 (floats 0/1).
   """
   if correction == "truncated_is":
     log_ratio = new_log_prob - old_log_prob
     rho_raw = jax.lax.stop_gradient(jnp.exp(log_ratio))
     rho = jnp.minimum(rho_raw, is_clip)
     return (-rho * advantages * new_log_prob, log_ratio, rho,
-            (rho_raw > is_clip).astype(jnp.float32))
+            (rho_raw > is_clip).astype(jnp.float32), jnp.zeros_like(rho))
   if correction == "decoupled":
     log_ratio = new_log_prob - proximal
     w_raw = jax.lax.stop_gradient(jnp.exp(proximal - old_log_prob))
@@ -83,7 +94,15 @@ def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: ja
   ratio = jnp.exp(log_ratio)
   surrogate = jnp.minimum(ratio * advantages,
                           jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
-  return -w * surrogate, log_ratio, w, truncated.astype(jnp.float32)
+  held = jnp.zeros_like(log_ratio, bool)
+  if correction == "decoupled" and behaviour_clip > 0:
+    from_behaviour = jax.lax.stop_gradient(new_log_prob - old_log_prob)
+    bound = float(np.log(behaviour_clip))
+    held = (((from_behaviour > bound) & (advantages > 0))
+            | ((from_behaviour < -bound) & (advantages < 0)))
+    surrogate = jnp.where(held, jax.lax.stop_gradient(surrogate), surrogate)
+  return (-w * surrogate, log_ratio, w, truncated.astype(jnp.float32),
+          held.astype(jnp.float32))
 
 
 def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array,
@@ -91,7 +110,8 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
              clip_eps: float, value_coef: float, entropy_coef: float,
              weights: jax.Array | None = None, correction: str = "none",
              proximal_log_prob: jax.Array | None = None,
-             is_clip: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+             is_clip: float = 0.0,
+             behaviour_clip: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO loss over a (micro-)batch of ``N`` chunks, as a weighted sum.
 
   Every ratio is between log-probabilities of the whole chunk (for flow
@@ -119,6 +139,9 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
       update (no gradient flows into it); needed by "decoupled", ignored otherwise.
     is_clip: truncation of the importance weight: "decoupled" truncates at it
       when ``> 0``; "truncated_is" requires ``> 0``; "none" ignores it.
+    behaviour_clip: "decoupled" only, ``0`` for off or ``> 1``: the factor of change
+      from the behaviour beyond which a chunk moved in its advantage's direction
+      gives no gradient (module docstring).
 
   Returns:
     the scalar loss and scalar diagnostics: ``policy_loss``, ``value_loss``
@@ -129,13 +152,14 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
     weight applied: 1 for "none"), ``is_weight_sq`` (its square's weighted mean:
     with ``is_weight``, the weights' effective sample size, see
     :func:`ess_fraction`) and ``is_truncated_frac`` (weight of chunks whose
-    importance weight was truncated at ``is_clip``).
+    importance weight was truncated at ``is_clip``) and ``behaviour_clip_frac``
+    (weight of chunks ``behaviour_clip`` held).
 
   Raises:
     ValueError: naming an unknown ``correction``, a missing
       ``proximal_log_prob`` for "decoupled", or ``is_clip <= 0`` for "truncated_is".
   """
-  _check_correction(correction, proximal_log_prob, is_clip)
+  _check_correction(correction, proximal_log_prob, is_clip, behaviour_clip)
   n = new_log_prob.shape[0]
   weights = (jnp.full((n,), 1.0 / n, jnp.float32) if weights is None
              else jnp.asarray(weights, jnp.float32))
@@ -149,9 +173,9 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
               else live_or_zero(jax.lax.stop_gradient(proximal_log_prob)))
   wsum = lambda x: jnp.sum(jnp.where(live, weights * x, 0.0))
 
-  pg, log_ratio, is_weight, truncated = _policy_terms(
+  pg, log_ratio, is_weight, truncated, held = _policy_terms(
       new_log_prob, old_log_prob, proximal, advantages, correction=correction,
-      clip_eps=clip_eps, is_clip=is_clip)
+      clip_eps=clip_eps, is_clip=is_clip, behaviour_clip=behaviour_clip)
   ratio = jnp.exp(log_ratio)
   policy_loss = wsum(pg)
   value_loss = 0.5 * wsum(jnp.square(new_value - returns))
@@ -162,7 +186,7 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
       approx_kl=wsum(jax.lax.stop_gradient(ratio - 1.0 - log_ratio)),
       clip_frac=wsum((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32)),
       is_weight=wsum(is_weight), is_weight_sq=wsum(jnp.square(is_weight)),
-      is_truncated_frac=wsum(truncated))
+      is_truncated_frac=wsum(truncated), behaviour_clip_frac=wsum(held))
   return loss, metrics
 
 
@@ -199,4 +223,4 @@ def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
   return dict(clip_eps=config.clip_eps, value_coef=config.value_coef,
               entropy_coef=config.entropy_coef,
               correction=config.correction,
-              is_clip=config.is_clip)
+              is_clip=config.is_clip, behaviour_clip=config.behaviour_clip)
