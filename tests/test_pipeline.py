@@ -7,6 +7,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -313,8 +314,11 @@ def test_result_without_act_is_an_error():
 @pytest.mark.parametrize("value_targets", ["rollout", "learner"])
 def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets):
   """Gradients of micro-batches computed one by one as they arrive, summed and
-  applied once, equal one non-streamed PPO update over the same data (with
-  learner-side value targets too: each micro-batch's GAE from the same critic).
+  applied once per minibatch, equal one non-streamed PPO update over the same data in
+  the same minibatches (with learner-side value targets too: each micro-batch's GAE
+  from the same critic). Two minibatches: the second one's micro-batches are evaluated
+  under the params the update started from (decoupled PPO's proximal policy), as the
+  non-streamed update evaluates every minibatch.
 
   Adam's eps is 1e-3 here: with 1e-8 a parameter whose gradient is zero up to
   float32 rounding moves by +-lr depending on the rounding of two summation
@@ -323,7 +327,7 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
   monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip, b1=0.9: optax.chain(
       optax.clip_by_global_norm(clip), optax.adam(lr, b1=b1, eps=1e-3)))
   c, env, pol, params, act, value = _setup(
-      num_envs=4, **{"ppo.num_epochs": 1, "ppo.num_minibatches": 1,
+      num_envs=4, **{"ppo.num_epochs": 1, "ppo.num_minibatches": 2,
                      "ppo.advantage_norm": "none", "ppo.correction": "decoupled",
                      "ppo.value_targets": value_targets})
   builder = segments_lib.SegmentBuilder(c.num_envs, c.rollout_len, 1)
@@ -332,27 +336,39 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
   for _ in range(c.rollout_len):
     ro.step_all()
   items = builder.pop_items()
-  assert len(items) == 4
+  assert len(items) == 4  # One env's segment each: rows t * 4 + env of the batch.
+  # The non-streamed update's minibatches: envs 0-1, then envs 2-3, as streamed below.
+  order = np.array([t * 4 + e for half in ((0, 1), (2, 3)) for t in range(c.rollout_len)
+                    for e in half])
+  monkeypatch.setattr(jax.random, "permutation", lambda key, n: jnp.asarray(order))
   lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  assert lrn.streamed_proximal
   copy = lambda t: jax.tree.map(np.array, jax.device_get(t))
   state0 = copy(learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(2)))
   ref_state, ref_metrics = lrn.update(jax.device_put(state0),
-                                          types.concat([it.data for it in items]))
+                                      types.concat([it.data for it in items]))
   state = jax.device_put(state0)
-  n = sum(it.num_chunks for it in items)
-  acc = None
-  for it in items:
-    acc = lrn.accumulate(acc, lrn.micro_grads(state.params, it.data, n))
-  new_state, metrics = lrn.apply(state, acc)
+  start = lrn.snapshot(state.params)
+  metrics = []
+  for first in (0, 2):  # Two minibatches of two micro-batches each.
+    acc = None
+    for it in items[first:first + 2]:
+      acc = lrn.accumulate(acc, lrn.micro_grads(state.params, it.data, 6, 0,
+                                                proximal=start if first else None))
+    state, m = lrn.apply(state, acc, bump_version=bool(first))
+    metrics.append(jax.device_get(m))
   close = functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=1e-6)
-  jax.tree.map(close, jax.device_get(new_state.params), jax.device_get(ref_state.params))
-  jax.tree.map(close, jax.device_get(new_state.opt_state), jax.device_get(ref_state.opt_state))
-  assert int(new_state.step) == int(ref_state.step) == 1
-  keys = ["loss", "policy_loss", "value_loss", "approx_kl", "grad_norm"]
+  jax.tree.map(close, jax.device_get(state.params), jax.device_get(ref_state.params))
+  jax.tree.map(close, jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state))
+  assert int(state.step) == int(ref_state.step) == 1
+  keys = ["loss", "policy_loss", "value_loss", "approx_kl", "clip_frac", "grad_norm"]
   if value_targets == "learner":  # (the staleness diagnostics need the proximal pass)
     keys += ["value_drift", "kl_behaviour_proximal"]
   for k in keys:
-    close(metrics[k], ref_metrics[k], err_msg=k)
+    close(np.mean([m[k] for m in metrics]), ref_metrics[k], err_msg=k)
+  # The second minibatch stepped from other params than the proximal ones: its ratio
+  # moved, so the clip had something to act on (a check of the check).
+  assert metrics[1]["approx_kl"] > 0 and metrics[0]["approx_kl"] == 0
 
 
 # ---------------------------------------------------------------- end to end --

@@ -225,6 +225,15 @@ class Learner:
         lambda params, data, total, version: update_lib.micro_grads(
             self.objective, self.ppo_config, params, data, total, version, self.trainable),
         in_shardings=(self.param_shardings, self._data_sh, rep, rep), out_shardings=grads_sh)
+    self._micro_grads_proximal_jit = jax.jit(
+        lambda params, data, total, version, proximal: update_lib.micro_grads(
+            self.objective, self.ppo_config, params, data, total, version, self.trainable,
+            self.trainable.merge(params, proximal)),
+        in_shardings=(self.param_shardings, self._data_sh, rep, rep, self._trained_shardings),
+        out_shardings=grads_sh)
+    self._snapshot_jit = jax.jit(
+        lambda params: jax.tree.map(jnp.copy, self.trainable.select(params)),
+        in_shardings=(self.param_shardings,), out_shardings=self._trained_shardings)
     self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, self._trained_shardings, rep),
                             out_shardings=grads_sh, donate_argnums=0)
     self._apply_jit = jax.jit(self._apply, in_shardings=(ppo_sh, grads_sh),
@@ -326,19 +335,33 @@ class Learner:
     return new, dict(metrics, nonfinite=nonfinite)
 
   # --------------------------------------------------------------- streamed --
-  def micro_grads(self, params, data, total_rows: int, version: int = 0):
+  @property
+  def streamed_proximal(self) -> bool:
+    """Whether a streamed update must keep :meth:`snapshot` of the params it starts from
+    for its later minibatches (``update.uses_proximal_snapshot``)."""
+    return update_lib.uses_proximal_snapshot(self.ppo_config)
+
+  def snapshot(self, params):
+    """A copy of the trained subtree of ``params`` (the frozen rest never changes), kept
+    across the optimizer steps of a streamed update, which donate ``params``."""
+    return self._snapshot_jit(self._placed(params, self.param_shardings))
+
+  def micro_grads(self, params, data, total_rows: int, version: int = 0, proximal=None):
     """Streamer: ``(grads, metrics)`` of micro-batch ``data`` in an optimizer update of
     ``total_rows`` rows (chunks for PPO, episodes for GRPO); add them with
     :meth:`accumulate`. ``version``: the learner's policy version (for the staleness
-    diagnostics).
+    diagnostics). ``proximal``: :meth:`snapshot` of the params the update started
+    from, for micro-batches after its first optimizer step (None before).
 
     Multi-process: ``data`` and ``total_rows`` are this process's; the micro-batch
     is every process's ``data`` together.
     """
     data = self._to_global(data, "streamed micro-batch envs / episodes")
-    return self._micro_grads_jit(self._placed(params, self.param_shardings), data,
-                                 jnp.float32(total_rows * self.num_processes),
-                                 jnp.int32(version))
+    args = (self._placed(params, self.param_shardings), data,
+            jnp.float32(total_rows * self.num_processes), jnp.int32(version))
+    if proximal is None:
+      return self._micro_grads_jit(*args)
+    return self._micro_grads_proximal_jit(*args, proximal)
 
   def _add(self, acc, grads, metrics):
     """Accumulates ``(grads, metrics)`` into ``acc`` (donated)."""

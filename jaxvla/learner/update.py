@@ -124,9 +124,16 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
   return trainable.merge(params, sub), opt_state, metrics
 
 
+def uses_proximal_snapshot(cfg: ml_collections.ConfigDict) -> bool:
+  """Whether a streamed update needs the params it started from after its first optimizer
+  step: decoupled PPO's proximal policy is those params, and with several minibatches
+  the later ones are evaluated under them (as :func:`epochs_update` does)."""
+  return ppo.loss_kwargs(cfg)["correction"] == "decoupled" and cfg.num_minibatches > 1
+
+
 def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, data,
                 total_rows: jax.Array, version: jax.Array | int = 0,
-                trainable: Trainable = ALL):
+                trainable: Trainable = ALL, proximal_params=None):
   """``(grads, metrics)`` of micro-batch ``data`` in an optimizer update of ``total_rows``.
 
   ``grads`` is a tree like ``trainable.select(params)``.
@@ -137,9 +144,17 @@ def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, da
   the row-weighted mean of the micro-batches' stds). With learner-side value
   targets (``cfg.value_targets``), the micro-batch is first evaluated under
   ``params`` (its whole trajectory: GAE runs along its time axis).
+
+  ``proximal_params``: the params the update started from, once an earlier minibatch
+  of the update has stepped (:func:`uses_proximal_snapshot`): the micro-batch is then
+  evaluated under them (proximal log-probs and values) instead of under ``params``, so
+  that the ratio, PPO's clip and the behaviour weights are those of
+  :func:`epochs_update`'s later minibatches.
   """
   rows = objective.rows(data)
-  if cfg.value_targets != "rollout":
+  if proximal_params is not None:
+    rows = _with_proximal(objective, proximal_params, data, rows, version)
+  elif cfg.value_targets != "rollout":
     rows = _with_proximal(objective, params, data, rows, version)
   weights = objective.streamed_weights(rows, total_rows)
   loss_of = lambda sub: objective.loss(trainable.merge(params, sub), rows, weights)

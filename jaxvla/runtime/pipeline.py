@@ -363,17 +363,24 @@ class Pipeline:
 
   def _streamed_update(self, state: learner_lib.TrainState
                        ) -> tuple[learner_lib.TrainState, dict]:
-    """L3: each item's gradient as it arrives; one optimizer step per minibatch of items."""
+    """L3: each item's gradient as it arrives; one optimizer step per minibatch of items.
+
+    Decoupled PPO with several minibatches: the params the update starts from are kept
+    (their trained subtree) and the later minibatches are evaluated under them, so PPO's
+    clip acts around the proximal policy from the second step on, as in a non-streamed
+    update."""
     version = int(state.step)
     num_minibatches = self.config.ppo.num_minibatches
     per_minibatch = self.items_per_update // num_minibatches
     acc, sums = None, collections.defaultdict(float)
+    start = self.learner.snapshot(state.params) if self.learner.streamed_proximal else None
     for j in range(self.items_per_update):
       item = self._take(version)
       with self.clock.busy("learner"):
         # Items are alike, so the minibatch's rows are known from its first.
         grads = self.learner.micro_grads(state.params, item.data,
-                                         per_minibatch * item.data.num_rows, version)
+                                         per_minibatch * item.data.num_rows, version,
+                                         proximal=start if j >= per_minibatch else None)
         acc = self.learner.accumulate(acc, grads)
         if (j + 1) % per_minibatch == 0:
           last = j + 1 == self.items_per_update
