@@ -236,8 +236,9 @@ class Learner:
         in_shardings=(self.param_shardings,), out_shardings=self._trained_shardings)
     self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, self._trained_shardings, rep),
                             out_shardings=grads_sh, donate_argnums=0)
-    self._apply_jit = jax.jit(self._apply, in_shardings=(ppo_sh, grads_sh),
-                              out_shardings=(ppo_sh, rep), donate_argnums=0, static_argnums=2)
+    # (bump_version traced, not static: one program for every step of an update)
+    self._apply_jit = jax.jit(self._apply, in_shardings=(ppo_sh, grads_sh, rep),
+                              out_shardings=(ppo_sh, rep), donate_argnums=0)
 
   def state_shardings(self, abstract_state: TrainState):
     """Shardings of a train state (arrays or ``ShapeDtypeStruct``s), same tree.
@@ -373,7 +374,8 @@ class Learner:
       return grads_metrics
     return self._add_jit(acc, *grads_metrics)
 
-  def _apply(self, state: TrainState, acc, bump_version: bool) -> tuple[TrainState, dict]:
+  def _apply(self, state: TrainState, acc, bump_version: jax.Array
+             ) -> tuple[TrainState, dict]:
     grads, metrics = acc
     trained = self.trainable.select(state.params)
     updates, opt_state = self.ppo_tx.update(grads, state.opt_state, trained)
@@ -382,7 +384,7 @@ class Learner:
         state.params, optax.apply_updates(trained, jax.tree.map(lambda u: scale * u, updates)))
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=jnp.zeros(()),
                    step_scale=scale)
-    step = state.step + (1 if bump_version else 0)
+    step = state.step + bump_version.astype(state.step.dtype)
     new = state.replace(step=step, params=params, opt_state=opt_state)
     new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])
     return new, dict(metrics, nonfinite=nonfinite)
@@ -390,4 +392,5 @@ class Learner:
   def apply(self, state: TrainState, acc, bump_version: bool = True):
     """Applies accumulated micro-batch gradients: one optimizer update
     (``bump_version``: it ends the RL batch, the policy version grows by 1)."""
-    return self._apply_jit(self._placed(state, self._ppo_state_sh), acc, bump_version)
+    return self._apply_jit(self._placed(state, self._ppo_state_sh), acc,
+                           jnp.asarray(bump_version, bool))
