@@ -65,6 +65,7 @@ def test_locked_config_rejects_new_fields():
     ("ppo.value_targets", "critic", "config.ppo.value_targets"),
     ("ppo.step_scale", "adaptive", "config.ppo.step_scale"),
     ("ppo.adam_b1", 1.0, "config.ppo.adam_b1"),
+    ("ppo.behaviour_clip", 0.5, "config.ppo.behaviour_clip"),
 ])
 def test_inconsistent_values_name_the_key(key, value, match):
   c = default.get_config()

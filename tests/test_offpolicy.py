@@ -107,7 +107,8 @@ def test_weights_none_is_the_mean(correction, is_clip, behaviour_clip):
   d = make_inputs(48, seed=1)
   d["uniform"] = np.full(48, 1 / 48)
   loss, metrics, grads = jax_ppo(d, correction, is_clip, behaviour_clip, weights=None)
-  ref_loss, ref_metrics, ref_grads = jax_ppo(d, correction, is_clip, behaviour_clip, weights="uniform")
+  ref_loss, ref_metrics, ref_grads = jax_ppo(d, correction, is_clip, behaviour_clip,
+                                             weights="uniform")
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   for k in METRICS:
     np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-6, atol=1e-7, err_msg=k)
@@ -176,7 +177,7 @@ def test_bad_arguments_are_named():
     loss(correction="decoupled")
   with pytest.raises(ValueError, match="is_clip"):
     loss(correction="truncated_is", is_clip=0.0)
-  with pytest.raises(ValueError, match="behaviour_clip must be 0 .* got 0.5"):
+  with pytest.raises(ValueError, match=r"ppo.behaviour_clip must be 0 \(off\) or > 1, got 0.5"):
     loss(correction="decoupled", proximal_log_prob=x, behaviour_clip=0.5)
   with pytest.raises(ValueError, match="'bogus'.*chunks"):
     grpo.chunk_weights(np.ones((2, 3), bool), "bogus")

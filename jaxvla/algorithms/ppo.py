@@ -60,8 +60,13 @@ def _check_correction(correction: str, proximal_log_prob: jax.Array | None,
                      "the params at the start of the update)")
   if correction == "truncated_is" and not is_clip > 0:
     raise ValueError(f"ppo correction 'truncated_is' needs is_clip > 0, got is_clip={is_clip}")
+  check_behaviour_clip(behaviour_clip)
+
+
+def check_behaviour_clip(behaviour_clip: float) -> None:
+  """Raises ValueError naming ``config.ppo.behaviour_clip`` unless it is 0 (off) or > 1."""
   if not (behaviour_clip == 0 or behaviour_clip > 1):
-    raise ValueError(f"ppo behaviour_clip must be 0 (off) or > 1, got {behaviour_clip}")
+    raise ValueError(f"config.ppo.behaviour_clip must be 0 (off) or > 1, got {behaviour_clip}")
 
 
 def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: jax.Array,
