@@ -367,3 +367,38 @@ def test_ess_step_scale_shrinks_the_step_by_the_weights_effective_sample_size():
     np.testing.assert_allclose(a, b_, rtol=1e-6)
   with pytest.raises(ValueError, match="config.ppo.step_scale"):
     ppo.step_scale("adaptive", dict(is_weight=1.0, is_weight_sq=1.0))
+
+
+def test_fresh_data_skips_the_proximal_pass_and_is_the_same_update():
+  """``behaviour_is_proximal`` (sync_colocated): with the behaviour log-probs taken as the
+  proximal ones, two epochs of two minibatches of decoupled PPO on fresh data move the
+  params as the update with its proximal pass does."""
+  import optax  # pylint: disable=import-outside-toplevel
+  from jaxvla import types  # pylint: disable=import-outside-toplevel
+  from jaxvla.learner import update  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(12)
+  t_len, b = 2, 8
+  f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  params = dict(lp=jnp.asarray(f32(t_len * b)), v=jnp.asarray(f32(t_len * b)))
+  zeros = np.zeros((t_len, b), bool)
+  traj = jax.tree.map(jnp.asarray, types.Trajectory(
+      batch=dict(i=np.arange(t_len * b).reshape(t_len, b)), chain=np.zeros((t_len, b, 1)),
+      log_prob=np.asarray(params["lp"]).reshape(t_len, b), value=f32(t_len, b),
+      reward=f32(t_len, b), done=zeros, terminated=zeros,
+      final_value=np.zeros((t_len, b), np.float32), steps=np.ones((t_len, b), np.int32),
+      bootstrap_value=f32(b), policy_version=np.zeros((t_len, b), np.int32)))
+  cfg = ml_collections.ConfigDict(dict(
+      algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets="rollout",
+      correction="decoupled", num_epochs=2, num_minibatches=2, clip_eps=0.2,
+      value_coef=0.5, entropy_coef=0.0, is_clip=2.0, behaviour_clip=2.0,
+      advantage_norm="minibatch", target_kl=0.0, step_scale="none"))
+  tx = optax.sgd(1.0)  # (large: the later steps' ratios leave the clip range)
+  run = lambda fresh: update.epochs_update(
+      objectives.PPOObjective(_TableCritic(), cfg), tx, cfg, params, tx.init(params), traj,
+      jax.random.PRNGKey(0), behaviour_is_proximal=fresh)
+  new, _, metrics = run(True)
+  ref, _, ref_metrics = run(False)
+  for k in params:
+    np.testing.assert_allclose(new[k], ref[k], rtol=1e-5, atol=1e-6)
+  assert float(ref_metrics["clip_frac"]) > 0  # The clip acted: the proximal ones matter.
+  assert "kl_behaviour_proximal" in ref_metrics and "kl_behaviour_proximal" not in metrics

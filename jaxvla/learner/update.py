@@ -59,7 +59,8 @@ def _with_proximal(objective: Objective, params, data, rows: dict, version: jax.
 def epochs_update(objective: Objective, tx: optax.GradientTransformation,
                   cfg: ml_collections.ConfigDict, params, opt_state, data, rng: jax.Array,
                   constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
-                  version: jax.Array | int = 0, trainable: Trainable = ALL):
+                  version: jax.Array | int = 0, trainable: Trainable = ALL,
+                  behaviour_is_proximal: bool = False):
   """Every epoch and minibatch of one batch ``data``.
 
   Args:
@@ -73,6 +74,9 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
     version: the learner's policy version (``state.step``): rows older than it are
       the stale ones of the diagnostics.
     trainable: the parameters the steps change (the rest stays as given).
+    behaviour_is_proximal: the rows were sampled with exactly ``params``
+      (``sync_colocated``): their behaviour log-probs are the proximal ones, and the
+      proximal pass is skipped (unless the value targets need its values).
 
   Returns:
     ``(params, opt_state, metrics)``: metrics are means over minibatches of the
@@ -89,7 +93,9 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
                      f"episodes) is not divisible by ppo.num_minibatches={nm}")
   mb = n // nm
   split = lambda x: x.reshape((nm, mb) + x.shape[1:])
-  if _uses_proximal(cfg):  # The params before this update's steps, per minibatch of rows.
+  if behaviour_is_proximal and cfg.value_targets == "rollout":
+    rows = dict(rows, proximal=rows["log_prob"])  # (decoupled PPO is then plain PPO)
+  elif _uses_proximal(cfg):  # The params before this update's steps, per minibatch of rows.
     rows = _with_proximal(objective, params, data, rows, version, split)
 
   # The scans carry the trained subtree only; the frozen rest is read from ``params``.
