@@ -117,7 +117,7 @@ def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
       policy=policy,
       learner=learner_lib.Learner(policy, config.bc, config.ppo, mesh=mesh,
                                   rules=config.mesh.rules,
-                                  fresh_data=config.pipeline.mode == "sync_colocated"),
+                                  behaviour_is_proximal=config.pipeline.mode == "sync_colocated"),
       act_train=jax.jit(functools.partial(policy.act, mode="train")),
       act_eval=evaluate_lib.row_keyed_act(policy),
       value_fn=jax.jit(policy.value),

@@ -23,10 +23,11 @@ up micro-batch gradients: with global weights (e.g. ``1 / N_global`` on each
 chunk) the sum of the micro-batch losses is the loss of the whole batch.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 CORRECTIONS = ("none", "decoupled", "truncated_is")
 
@@ -102,7 +103,7 @@ def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: ja
   held = jnp.zeros_like(log_ratio, bool)
   if correction == "decoupled" and behaviour_clip > 0:
     from_behaviour = jax.lax.stop_gradient(new_log_prob - old_log_prob)
-    bound = float(np.log(behaviour_clip))
+    bound = math.log(behaviour_clip)
     held = (((from_behaviour > bound) & (advantages > 0))
             | ((from_behaviour < -bound) & (advantages < 0)))
     surrogate = jnp.where(held, jax.lax.stop_gradient(surrogate), surrogate)
@@ -162,7 +163,8 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
 
   Raises:
     ValueError: naming an unknown ``correction``, a missing
-      ``proximal_log_prob`` for "decoupled", or ``is_clip <= 0`` for "truncated_is".
+      ``proximal_log_prob`` for "decoupled", ``is_clip <= 0`` for "truncated_is", or a
+      ``behaviour_clip`` that is neither 0 nor > 1.
   """
   _check_correction(correction, proximal_log_prob, is_clip, behaviour_clip)
   n = new_log_prob.shape[0]

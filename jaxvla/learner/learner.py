@@ -160,17 +160,17 @@ class Learner:
       ``algorithm`` picks the RL objective once, here).
     mesh: the learner mesh (``jaxvla.sharding.make_mesh``); None: one device.
     rules: ``config.mesh.rules`` (default :data:`jaxvla.sharding.DEFAULT_RULES`).
-    fresh_data: every RL batch was sampled with the params the update starts from
-      (``sync_colocated``): the decoupled correction's proximal pass is skipped.
+    behaviour_is_proximal: every RL batch was sampled with the params the update starts
+      from (``sync_colocated``): the decoupled correction's proximal pass is skipped
+      (``update.epochs_update``).
   """
 
   def __init__(self, policy: contract.Policy, bc_config: ml_collections.ConfigDict,
                ppo_config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None,
-               rules: sharding_lib.Rules | None = None, fresh_data: bool = False):
+               rules: sharding_lib.Rules | None = None, behaviour_is_proximal: bool = False):
     self.policy = policy
     self.ppo_config = ppo_config
-    # sync_colocated: every batch was sampled with the very params the update starts from.
-    self.fresh_data = fresh_data
+    self.behaviour_is_proximal = behaviour_is_proximal
     self.objective = objectives.make_objective(policy, ppo_config)
     self._abstract_params = policy.abstract_params()
     self.trainable = trainable_lib.Trainable.of(self._abstract_params)
@@ -335,7 +335,7 @@ class Learner:
     params, opt_state, metrics = update_lib.epochs_update(
         self.objective, self.ppo_tx, self.ppo_config, state.params, state.opt_state, data, key,
         constrain, version=state.step, trainable=self.trainable,
-        behaviour_is_proximal=self.fresh_data)
+        behaviour_is_proximal=self.behaviour_is_proximal)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
     new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])
     return new, dict(metrics, nonfinite=nonfinite)

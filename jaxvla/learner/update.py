@@ -132,9 +132,10 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
 
 def uses_proximal_snapshot(cfg: ml_collections.ConfigDict) -> bool:
   """Whether a streamed update needs the params it started from after its first optimizer
-  step: decoupled PPO's proximal policy is those params, and with several minibatches
-  the later ones are evaluated under them (as :func:`epochs_update` does)."""
-  return ppo.loss_kwargs(cfg)["correction"] == "decoupled" and cfg.num_minibatches > 1
+  step: when :func:`epochs_update` evaluates its rows under them (decoupled PPO's
+  proximal policy, learner-side value targets) and there are several minibatches, the
+  later ones must be evaluated under them too."""
+  return _uses_proximal(cfg) and cfg.num_minibatches > 1
 
 
 def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, data,

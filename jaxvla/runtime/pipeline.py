@@ -365,10 +365,10 @@ class Pipeline:
                        ) -> tuple[learner_lib.TrainState, dict]:
     """L3: each item's gradient as it arrives; one optimizer step per minibatch of items.
 
-    Decoupled PPO with several minibatches: the params the update starts from are kept
-    (their trained subtree) and the later minibatches are evaluated under them, so PPO's
-    clip acts around the proximal policy from the second step on, as in a non-streamed
-    update."""
+    With several minibatches and a proximal pass (``update.uses_proximal_snapshot``), the
+    params the update starts from are kept (their trained subtree) and the later
+    minibatches are evaluated under them, so PPO's clip acts around the proximal policy
+    from the second step on, as in a non-streamed update."""
     version = int(state.step)
     num_minibatches = self.config.ppo.num_minibatches
     per_minibatch = self.items_per_update // num_minibatches
