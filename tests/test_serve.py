@@ -223,8 +223,14 @@ def test_the_command_serves_and_stops_on_ctrl_c(export_dir):
                                            "wrist"]
     assert client.infer(meta["example_observation"])["actions"].shape == (5, 7)
     proc.send_signal(signal.SIGINT)
-    # (under the fast step's load the exit took over 30 s twice, cause not yet found)
-    assert proc.wait(timeout=120) == 0
+    # (under a loaded machine's fast step the exit took over 30 s twice, cause not yet
+    # found: the server logs each shutdown step with its time, shown if it happens again)
+    try:
+      returncode = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      pytest.fail(f"no exit within 120 s of Ctrl-C; its log:\n{proc.communicate()[1][-3000:]}")
+    assert returncode == 0, proc.stderr.read()[-3000:]
     assert "stopped" in proc.stdout.read()
   finally:
     if proc.poll() is None:

@@ -99,7 +99,9 @@ class PolicyServer:
     try:
       asyncio.run(self._serve(on_ready))
     finally:
+      start = time.monotonic()
       self.batcher.close()
+      _log.info("batching thread stopped in %.1f s", time.monotonic() - start)
 
   def start(self, timeout_s: float = 600.0) -> int:
     """Serves in a thread; returns the port once it listens (compilation included)."""
@@ -139,20 +141,30 @@ class PolicyServer:
       _log.info("compiled batch sizes %s in %.1f s", list(self.runner.sizes),
                 time.monotonic() - start)
     self.batcher.start()
-    async with ws_server.serve(
-        self._handler, self.config.host, self.config.port, compression=None,
-        max_size=int(self.config.max_message_mb * 2**20),
-        process_request=_health_check) as server:
-      self.port = server.sockets[0].getsockname()[1]
-      _log.info("serving on %s:%d (obs_map %r)", self.config.host, self.port, self.obs_map.name)
-      if on_ready is not None:
-        on_ready(self.port)
-      while not self._stop.is_set():
-        self.batcher.check()  # A dead batching thread ends the server with its error.
+    stopping = None  # When the loop below ended (the shutdown's log says what took how long).
+    try:
+      async with ws_server.serve(
+          self._handler, self.config.host, self.config.port, compression=None,
+          max_size=int(self.config.max_message_mb * 2**20),
+          process_request=_health_check) as server:
+        self.port = server.sockets[0].getsockname()[1]
+        _log.info("serving on %s:%d (obs_map %r)", self.config.host, self.port,
+                  self.obs_map.name)
+        if on_ready is not None:
+          on_ready(self.port)
         try:
-          await asyncio.wait_for(self._stop.wait(), _WATCH_S)
-        except asyncio.TimeoutError:
-          pass
+          while not self._stop.is_set():
+            self.batcher.check()  # A dead batching thread ends the server with its error.
+            try:
+              await asyncio.wait_for(self._stop.wait(), _WATCH_S)
+            except asyncio.TimeoutError:
+              pass
+        finally:  # (also on Ctrl-C, which cancels this coroutine)
+          stopping = time.monotonic()
+          _log.info("stopping: closing %d connection(s)", len(server.connections))
+    finally:
+      if stopping is not None:
+        _log.info("connections closed in %.1f s", time.monotonic() - stopping)
 
   # ------------------------------------------------------------ connections --
   async def _handler(self, websocket: ws_server.ServerConnection) -> None:
