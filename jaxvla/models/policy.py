@@ -64,11 +64,11 @@ class FlowPolicy:
 
   def abstract_params(self) -> Params:
     """Shapes and dtypes of the parameters, without allocating them."""
-    return jax.eval_shape(self.init, jax.random.key(0))
+    return layers.abstract_tree(pi0.build, self.net)[0]
 
   def logical_axes(self) -> dict:
     """Logical axis names of every parameter (same tree as :meth:`init`)."""
-    return layers.logical_axes(nnx.eval_shape(lambda: self.build(0)))
+    return layers.abstract_tree(pi0.build, self.net)[1]
 
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]:
     """Observation -> ``images [B, N, H, W, 3]``, ``image_mask [B, N]``, ``state [B, S]``,
