@@ -13,6 +13,7 @@ from jaxvla.data import norm_stats
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
+from tests import end_to_end
 
 
 def _tree_equal(a, b):
@@ -72,12 +73,14 @@ def _records(workdir, phase):
 
 
 @pytest.mark.long
-def test_resume_continues_run(tmp_path, smoke_config):
+def test_resume_continues_run(tmp_path):
+  """The end-to-end run of the default pi0 in ``sync_colocated`` mode (with every check of
+  tests/test_pipeline.py's end-to-end runs), its checkpoint and export, then its resume."""
   workdir = str(tmp_path / "run")
-  smoke_config.total_env_steps = 600
+  smoke_config = end_to_end.smoke_config(mode="sync_colocated")
   smoke_config.data.normalize = "zscore"  # Statistics of the recorded demonstrations.
   first = train.train_and_evaluate(smoke_config, workdir)
-  assert first["env_steps"] >= 600
+  end_to_end.check_run(smoke_config, first, workdir)
   # The normalisation travels with the policy: in the checkpoints and the export.
   normalizer = norm_stats.load_normalizer(first["export_dir"])
   assert normalizer.mode == "zscore"

@@ -22,6 +22,7 @@ from jaxvla.rollout import rollout as rollout_lib
 from jaxvla.rollout import segments as segments_lib
 from jaxvla.runtime import broadcast as broadcast_lib
 from jaxvla.runtime import queue as queue_lib
+from tests import end_to_end
 
 
 def _item(versions, steps=5):
@@ -373,31 +374,22 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
 
 # ---------------------------------------------------------------- end to end --
 def _run(tmp_path, name, model=None, **pipeline):
-  c = default.get_config("smoke")
-  c.total_env_steps = 600
-  c.env_workers = 2
-  c.env.latency_ms, c.env.latency_sigma = 1.0, 1.0
-  c.model.update(model or {})
-  c.pipeline.micro_batch_segments = 4
-  c.pipeline.update(pipeline)
-  if c.pipeline.streamer:
-    c.ppo.update(num_epochs=1, num_minibatches=2, advantage_norm="none")
-  summary = train.train_and_evaluate(c, str(tmp_path / name))
-  with open(tmp_path / name / "metrics.jsonl") as f:
-    records = [json.loads(line) for line in f]
+  c = end_to_end.smoke_config(model, **pipeline)
+  summary, records = end_to_end.run(c, str(tmp_path / name))
   return c, summary, records
 
 
 # Each run also trains one policy variant end to end (BC warm start, rollout, PPO,
-# evaluation): the default tiny pi0 (prefix value, flow-SDE sampler), pi0 with the
-# expert's state-token value and the flow-noise sampler, and pi0.5.
+# evaluation): pi0 with the expert's state-token value and the flow-noise sampler, pi0.5,
+# and the default tiny pi0 (prefix value, flow-SDE sampler), which
+# tests/test_checkpoint.py::test_resume_continues_run also trains in `sync_colocated`
+# mode, with these same checks.
 _PI0_EXPERT_NOISE = dict(name="pi0", value_source="expert", train_sampler="flow_noise")
 _PI05 = dict(name="pi05", value_source="prefix", train_sampler="flow_sde")
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("mode,switches", [
-    ("sync_colocated", {}),
     ("sync_disaggregated", dict(model=_PI0_EXPERT_NOISE)),
     ("async", dict(train_async=True, rollout_async=False, streamer=False)),
     ("async", dict(train_async=True, rollout_async=True, streamer=True,
@@ -405,30 +397,8 @@ _PI05 = dict(name="pi05", value_source="prefix", train_sampler="flow_sde")
     ("async", dict(train_async=False, rollout_async=True, streamer=False, model=_PI05)),
 ])
 def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
-  c, summary, records = _run(tmp_path, "run", mode=mode, **switches)
-  assert summary["env_steps"] >= c.total_env_steps
-  assert summary["policy_version"] == summary["iterations"] >= 2
-  train_records = [r for r in records if r["phase"] == "train"]
-  assert len(train_records) == summary["iterations"]
-  assert all(np.isfinite(r["loss"]) for r in train_records)
-  last = train_records[-1]
-  for key in ("env_busy", "inference_busy", "learner_busy", "staleness_mean", "queue_depth"):
-    assert key in last, key
-  # The env pool's workers (2, each stepping its envs): a real share of their time.
-  assert 0.0 < last["env_workers_busy"] <= 1.0 + 1e-6
-  if switches.get("rollout_async") and switches.get("train_async"):
-    # First-ready beside training: some env steps most of the time (during inference too).
-    assert last["env_busy"] > 0.5, last["env_busy"]
-  assert last["staleness_max"] <= c.pipeline.max_staleness
-  if mode == "sync_colocated":
-    assert last["staleness_max"] == 0 and summary["dropped_env_steps"] == 0
-  assert (tmp_path / "run" / "timeline.json").exists()
-  # The warm start read its demonstrations from disk: the expert, recorded as RLDS.
-  assert (tmp_path / "run" / "demos" / "dataset_info.json").exists()
-  warm = [r for r in records if r["phase"] == "warm_start"][0]
-  assert warm["demo_episodes"] == c.bc.num_episodes and warm["demo_env_steps"] > 0
-  evals = [r for r in records if r["phase"] == "eval"]
-  assert evals and all(0.0 <= r["success_rate"] <= 1.0 for r in evals)
+  c, summary, _ = _run(tmp_path, "run", mode=mode, **switches)
+  end_to_end.check_run(c, summary, str(tmp_path / "run"))
 
 
 @pytest.mark.long
@@ -443,6 +413,7 @@ def test_grpo_trains_end_to_end(tmp_path, switches):
   c.env.group_size = 2
   c.ppo.update(algorithm="grpo", num_epochs=1, num_minibatches=2, advantage_norm="none",
                loss_normalizer="constant")
+  c.bc.num_steps = 0  # RL from the fresh policy (the PPO runs above check the warm start)
   c.pipeline.update(switches)
   summary = train.train_and_evaluate(c, str(tmp_path / "grpo"))
   with open(tmp_path / "grpo" / "metrics.jsonl") as f:
@@ -457,8 +428,10 @@ def test_rollout_thread_error_stops_the_run(tmp_path, monkeypatch):
 
   monkeypatch.setattr(rollout_lib.Rollout, "step_all", broken)
   before = {t.name for t in threading.enumerate()}
+  c = end_to_end.smoke_config(mode="async", train_async=True, rollout_async=False)
+  c.bc.num_steps = 0  # (the failure is the first rollout step's)
   with pytest.raises(RuntimeError, match="rollout thread failed") as info:
-    _run(tmp_path, "err", mode="async", train_async=True, rollout_async=False)
+    train.train_and_evaluate(c, str(tmp_path / "err"))
   assert "simulated simulator failure" in repr(info.value.__cause__)
   leftover = {t.name for t in threading.enumerate()} - before
   assert not {"rollout", "broadcaster"} & leftover, leftover
