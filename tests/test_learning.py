@@ -18,6 +18,7 @@ from jaxvla.bench import parity
 pytestmark = pytest.mark.learning  # Minutes each: the second step of launch/test.sh.
 
 
+@pytest.mark.long  # (started first: the notebook runs beside it)
 def test_async_learning_matches_sync(tmp_path):
   """Learning parity at the same env-step budget and the default step size.
 

@@ -99,6 +99,7 @@ def test_time_limit_auto_reset_and_group_members_share_init_states():
     env.close()
 
 
+@pytest.mark.long  # (started first: the step's tests run in parallel)
 def test_training_loop_runs_on_libero(tmp_path):
   c = libero_config.get_config()
   c.total_env_steps = 40

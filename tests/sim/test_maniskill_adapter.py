@@ -53,6 +53,7 @@ def test_group_members_share_initial_states():
     env.close()
 
 
+@pytest.mark.long  # (started first: the step's tests run in parallel)
 def test_training_loop_runs_on_maniskill_state(tmp_path):
   c = maniskill_config.get_config("state")
   c.total_env_steps = 200
