@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite, in four steps that must all pass:
-#   (a) pytest -m "not sim and not learning and not multihost" -n WORKERS
+#   (a) pytest -m "not sim and not learning and not slow and not multihost" -n WORKERS
 #                                             on tests/      the fast suite (CPU, tiny models)
 #   (b) pytest -m multihost                   on tests/      2 processes via jax.distributed
-#   (c) pytest -m learning -n WORKERS         on tests/      RL learning runs (minutes each)
+#   (c) pytest -m "learning or slow" -n WORKERS
+#                                             on tests/      RL learning runs and the other
+#                                                            minute-long runs (fault injection)
 #   (d) pytest -m sim -n WORKERS              on tests/sim/  real simulators (ManiSkill3, LIBERO)
 # Steps (a), (c) and (d) run their tests in parallel processes (pytest-xdist), one per core
 # up to 4; (b)'s tests each start two processes of their own, so they run one at a time.
 #
-#   bash launch/test.sh [--only=fast|multihost|learning|sim] [pytest arguments ...]
+#   bash launch/test.sh [--only=fast|multihost|slow|sim] [pytest arguments ...]
 #
 # Extra arguments go to every pytest run, from the repository root: options (-x, -v,
 # -k EXPR, --durations=0) and, if given, test paths, which then replace the step's default
@@ -25,8 +27,8 @@ only=all
 pytest_args=()
 for arg in "$@"; do
   case "$arg" in
-    --only=fast | --only=multihost | --only=learning | --only=sim) only="${arg#--only=}" ;;
-    --only=*) echo "test.sh: --only takes fast, multihost, learning or sim, not '${arg#--only=}'" >&2
+    --only=fast | --only=multihost | --only=slow | --only=sim) only="${arg#--only=}" ;;
+    --only=*) echo "test.sh: --only takes fast, multihost, slow or sim, not '${arg#--only=}'" >&2
       exit 2 ;;
     *) pytest_args+=("$arg") ;;
   esac
@@ -48,12 +50,14 @@ export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 # The fast and multi-host steps check programs against each other within one run, never
 # their speed: XLA's backend optimisations only add compile time there (a third of the
 # step), and so do XLA:CPU's MLIR fusion emitters (the tiny pi0's BC gradient compiled in
-# 4.3 s with them, 1.5 s with the classic ones). The learning step keeps the defaults
+# 4.3 s with them, 1.5 s with the classic ones). The slow step keeps the defaults
 # (its runs execute for minutes).
 fast_xla_flags="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# A slow-step test whose subprocess runs are short (the fault-injection run) uses them too.
+export JAXVLA_TEST_FAST_XLA_FLAGS=$fast_xla_flags
 # pytest-xdist processes: one per core up to 4 (JAXVLA_TEST_WORKERS overrides; 0: in-process).
-# The learning and sim steps are CPU-bound too (their runs use about 1.4 cores each):
-# two at a time finish those steps 10-15% sooner on 2 cores.
+# The slow and sim steps are CPU-bound too (their runs use about 1.4 cores each): two at
+# a time finish those steps 10-15% sooner on 2 cores.
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # (env.sh sets OMP_NUM_THREADS=1)
 workers="${JAXVLA_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
 
@@ -75,14 +79,14 @@ run_step() {
 }
 
 if [[ $only == all || $only == fast ]]; then
-  XLA_FLAGS=$fast_xla_flags run_step fast -m "not sim and not learning and not multihost" \
+  XLA_FLAGS=$fast_xla_flags run_step fast -m "not sim and not learning and not slow and not multihost" \
     -n "$workers" --dist worksteal "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == multihost ]]; then
   XLA_FLAGS=$fast_xla_flags run_step multihost -m multihost "${pytest_args[@]}"
 fi
-if [[ $only == all || $only == learning ]]; then
-  run_step learning -m learning -n "$workers" --dist worksteal "${pytest_args[@]}"
+if [[ $only == all || $only == slow ]]; then
+  run_step slow -m "learning or slow" -n "$workers" --dist worksteal "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == sim ]]; then
   run_step sim -m sim -o testpaths=tests/sim -n "$workers" --dist worksteal "${pytest_args[@]}"

@@ -118,10 +118,14 @@ def _start(workdir: str, log_path, total_env_steps: int, resume: bool) -> subpro
          *(f"--config.{k}={v}" for k, v in _FLAGS.items())]
   if resume:
     cmd.append("--config.resume=True")
+  # The runs are short and their speed is not checked: launch/test.sh's compile-time XLA
+  # flags (the slow step itself keeps XLA's defaults, for the learning runs).
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if "JAXVLA_TEST_FAST_XLA_FLAGS" in env:
+    env["XLA_FLAGS"] = env["JAXVLA_TEST_FAST_XLA_FLAGS"]
   # stderr to a file: a pipe nobody reads while waiting would block a chatty run.
   with open(log_path, "wb") as log_file:
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, env=env)
 
 
 def _latest_step(ckpt_dir: str) -> int | None:
@@ -154,6 +158,7 @@ def _records(workdir: str, phase: str, name: str = "metrics.jsonl") -> list[dict
     return [r for r in map(json.loads, f) if r["phase"] == phase]
 
 
+@pytest.mark.slow  # (two runs with faults: a minute and more; test.sh's third step)
 @pytest.mark.long
 def test_every_env_step_is_accounted_for_through_faults_and_a_resume(tmp_path, smoke_config):
   workdir, ckpt_dir = str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints")

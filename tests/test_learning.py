@@ -15,7 +15,7 @@ import pytest
 from jaxvla import train
 from jaxvla.bench import parity
 
-pytestmark = pytest.mark.learning  # Minutes each: the second step of launch/test.sh.
+pytestmark = pytest.mark.learning  # Minutes each: the third step of launch/test.sh ("slow").
 
 
 @pytest.mark.long  # (started first: the notebook runs beside it)
