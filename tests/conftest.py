@@ -12,10 +12,12 @@ from configs import default  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-  """Tests marked ``long`` first (stable otherwise): with parallel workers
-  (``launch/test.sh``), a long test started last would run on alone at the end."""
+  """Tests marked ``long`` first, the long learning runs (minutes) before the other long
+  tests, stable otherwise: with parallel workers (``launch/test.sh``), a long test
+  started last would run on alone at the end."""
   del config
-  items.sort(key=lambda item: item.get_closest_marker("long") is None)
+  items.sort(key=lambda item: (item.get_closest_marker("long") is None,
+                               item.get_closest_marker("learning") is None))
 
 
 @pytest.fixture
