@@ -9,7 +9,6 @@ import os
 import numpy as np
 
 from configs import default
-from jaxvla import train
 
 
 def smoke_config(model: dict | None = None, **pipeline):
@@ -28,14 +27,9 @@ def smoke_config(model: dict | None = None, **pipeline):
 
 
 def records(workdir: str) -> list[dict]:
+  """The run's metric records (``metrics.jsonl``), every phase."""
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     return [json.loads(line) for line in f]
-
-
-def run(c, workdir: str) -> tuple[dict, list[dict]]:
-  """Trains ``c`` in ``workdir``; returns the summary and the metric records."""
-  summary = train.train_and_evaluate(c, workdir)
-  return summary, records(workdir)
 
 
 def check_run(c, summary: dict, workdir: str) -> None:

@@ -2,7 +2,6 @@
 the streamed learner against the non-streamed one, and every mode end to end."""
 
 import functools
-import json
 import threading
 import time
 
@@ -373,12 +372,6 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
 
 
 # ---------------------------------------------------------------- end to end --
-def _run(tmp_path, name, model=None, **pipeline):
-  c = end_to_end.smoke_config(model, **pipeline)
-  summary, records = end_to_end.run(c, str(tmp_path / name))
-  return c, summary, records
-
-
 # Each run also trains one policy variant end to end (BC warm start, rollout, PPO,
 # evaluation): pi0 with the expert's state-token value and the flow-noise sampler, pi0.5,
 # and the default tiny pi0 (prefix value, flow-SDE sampler), which
@@ -397,8 +390,9 @@ _PI05 = dict(name="pi05", value_source="prefix", train_sampler="flow_sde")
     ("async", dict(train_async=False, rollout_async=True, streamer=False, model=_PI05)),
 ])
 def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
-  c, summary, _ = _run(tmp_path, "run", mode=mode, **switches)
-  end_to_end.check_run(c, summary, str(tmp_path / "run"))
+  c = end_to_end.smoke_config(mode=mode, **switches)
+  workdir = str(tmp_path / "run")
+  end_to_end.check_run(c, train.train_and_evaluate(c, workdir), workdir)
 
 
 @pytest.mark.long
@@ -416,8 +410,7 @@ def test_grpo_trains_end_to_end(tmp_path, switches):
   c.bc.num_steps = 0  # RL from the fresh policy (the PPO runs above check the warm start)
   c.pipeline.update(switches)
   summary = train.train_and_evaluate(c, str(tmp_path / "grpo"))
-  with open(tmp_path / "grpo" / "metrics.jsonl") as f:
-    records = [r for r in map(json.loads, f) if r["phase"] == "train"]
+  records = [r for r in end_to_end.records(str(tmp_path / "grpo")) if r["phase"] == "train"]
   assert summary["iterations"] >= 1 and len(records) == summary["iterations"]
   assert all(np.isfinite(r["loss"]) and "episode_return_mean" in r for r in records)
 
