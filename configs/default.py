@@ -76,11 +76,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.discrete_state_input = True  # pi05 only: write the discretised state into the prompt.
   c.model.chunk_len = 5  # Actions per chunk H (one RL step executes a chunk).
   c.model.num_denoise_steps = 4  # Denoise steps K of the sampler.
-  c.model.train_sampler = "flow_sde"  # Stochastic sampler for RL: 'flow_sde' or 'flow_noise'.
-  c.model.eval_sampler = "ode"  # Sampler for evaluation: 'ode' (deterministic) or a stochastic one.
+  # Steered samplers: RL trains a small Gaussian head (rl/steer_*) and the value head over
+  # the frozen flow: 'latent' (DSRL) draws its initial noise, 'residual' corrects its
+  # chunk (docs/policy.md, "Steered RL").
+  c.model.train_sampler = "flow_sde"  # RL sampler: 'flow_sde', 'flow_noise', 'latent', 'residual'.
+  # 'latent_mean' / 'residual_mean' (with that train_sampler): the steering head's mean.
+  c.model.eval_sampler = "ode"  # Evaluation: 'ode', 'latent_mean', 'residual_mean' or an RL one.
   c.model.noise_level = 0.5  # flow_sde noise scale a in sigma_t = a sqrt(t / (1 - t)).
   c.model.noise_std_min = 0.05  # flow_noise: lower bound of the learned std.
   c.model.noise_std_max = 0.5  # flow_noise: upper bound of the learned std.
+  c.model.steer_hidden = 256  # Steered: hidden width of the steering head's two layers.
+  c.model.steer_bound = 2.0  # Steered: bound of its mean (noise stds / normalised action units).
+  c.model.steer_std_init = 1.0  # Steered: its initial std (latent: 1 is the base policy's noise).
+  c.model.steer_std_min = 0.05  # Steered: floor of its std.
   c.model.num_bins = 256  # action_token_vla: bins per action dimension (tokens per bin).
 
   c.mesh = ml_collections.ConfigDict()

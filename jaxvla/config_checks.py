@@ -7,8 +7,9 @@ this file calls (one owner per rule): mesh sizes and rules
 (:func:`jaxvla.algorithms.grpo.check_normalizer`), the pipeline mode
 (:meth:`jaxvla.runtime.pipeline.Levels.from_config`), ``config.distributed``
 (:func:`jaxvla.distributed.validate`), ``config.data``
-(:func:`jaxvla.data.config.validate`) and ``config.model.lora*``
-(:func:`jaxvla.models.lora.check_config`). The rest are relations between fields.
+(:func:`jaxvla.data.config.validate`), ``config.model.lora*``
+(:func:`jaxvla.models.lora.check_config`) and the samplers
+(:func:`jaxvla.models.denoise.check_samplers`). The rest are relations between fields.
 """
 
 import ml_collections
@@ -41,11 +42,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
            f"got {c.model.chunk_len}")
   _require(c.model.num_denoise_steps >= 1, "model.num_denoise_steps",
            f"must be >= 1, got {c.model.num_denoise_steps}")
-  _require(c.model.train_sampler in denoise.MODES and c.model.train_sampler != "ode",
-           "model.train_sampler",
-           f"must be 'flow_sde' or 'flow_noise' (RL needs log-probs), got {c.model.train_sampler!r}")
-  _require(c.model.eval_sampler in denoise.MODES, "model.eval_sampler",
-           f"must be one of {denoise.MODES}, got {c.model.eval_sampler!r}")
+  denoise.check_samplers(c.model)
   _require(0 < c.model.noise_std_min < c.model.noise_std_max, "model.noise_std_min",
            "need 0 < noise_std_min < noise_std_max")
   _require(c.model.noise_level > 0, "model.noise_level", f"must be > 0, got {c.model.noise_level}")

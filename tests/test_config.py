@@ -57,6 +57,10 @@ def test_locked_config_rejects_new_fields():
 @pytest.mark.parametrize("key,value,match", [
     ("num_envs", 0, "config.num_envs"),
     ("model.train_sampler", "ode", "config.model.train_sampler"),
+    ("model.train_sampler", "latent_mean", "config.model.train_sampler"),
+    ("model.eval_sampler", "latent_mean", "config.model.eval_sampler"),
+    ("model.eval_sampler", "residual_mean", "config.model.eval_sampler"),
+    ("model.eval_sampler", "sde", "config.model.eval_sampler"),
     ("ppo.num_minibatches", 7, "config.ppo.num_minibatches"),
     ("model.chunk_len", 500, "config.model.chunk_len"),
     ("env.group_size", 3, "config.env.group_size"),

@@ -14,10 +14,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxvla import config_checks, sharding, types
+from jaxvla import config_checks, sharding
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import lora, openpi_import as oi, policy as policy_lib, summary
+from tests import trajectories
 
 
 def _policy(config, lora_choice: str, name: str = "pi0", n: int = 4):
@@ -53,28 +54,6 @@ def _write_openpi(directory, params: dict) -> str:
   with ocp.PyTreeCheckpointer() as ckptr:
     ckptr.save(path, {"params": tree})
   return path
-
-
-def _trajectory(pol, env, params, t: int = 2) -> types.Trajectory:
-  """A ``[t, B]`` trajectory sampled by ``pol`` (rewards random, no episode ends)."""
-  rng = np.random.default_rng(0)
-  batches, chains, logps, values = [], [], [], []
-  for i in range(t):
-    batch = pol.prepare(env.observe())
-    out = pol.act(params, batch, jax.random.PRNGKey(i), "train")
-    batches.append(batch)
-    chains.append(np.asarray(out.chain))
-    logps.append(np.asarray(out.log_prob))
-    values.append(np.asarray(out.value))
-  b = chains[0].shape[0]
-  zeros = np.zeros((t, b), np.float32)
-  return types.Trajectory(
-      batch=jax.tree.map(lambda *x: np.stack(x), *batches), chain=np.stack(chains),
-      log_prob=np.stack(logps), value=np.stack(values),
-      reward=rng.standard_normal((t, b)).astype(np.float32), done=np.zeros((t, b), bool),
-      terminated=np.zeros((t, b), bool), final_value=zeros, steps=np.ones((t, b), np.int32),
-      bootstrap_value=np.zeros((b,), np.float32),
-      policy_version=np.zeros((t, b), np.int32))
 
 
 # ------------------------------------------------------------------- tree --
@@ -193,7 +172,7 @@ def test_update_trains_only_adapters_and_heads(smoke_config):
   assert sum(x.size for x in jax.tree.leaves(full_state)
              if x.ndim > 0) == 2 * full_lrn.trainable.count(full_params)[1]
 
-  traj = _trajectory(pol, env, params)
+  traj = trajectories.sampled(pol, env, params)
   new, metrics = lrn.update(state, traj)
   assert metrics["nonfinite"] == 0
   after = oi.flatten(jax.device_get(new.params))

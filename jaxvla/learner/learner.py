@@ -151,6 +151,19 @@ class DivergenceGuard:
                 self.what, index, parts, self.in_a_row, self.max_bad)
 
 
+def _subtrees(tree):
+  """Every subtree of a pytree of dicts / tuples / namedtuples (``tree`` included)."""
+  yield tree
+  if isinstance(tree, dict):
+    children = tree.values()
+  elif isinstance(tree, (tuple, list)):
+    children = tree
+  else:
+    return
+  for child in children:
+    yield from _subtrees(child)
+
+
 class Learner:
   """Owns the optimizers and the jitted update functions for one policy.
 
@@ -174,11 +187,14 @@ class Learner:
     self.objective = objectives.make_objective(policy, ppo_config)
     self._abstract_params = policy.abstract_params()
     self.trainable = trainable_lib.Trainable.of(self._abstract_params)
+    # What RL trains: the same, or the RL heads alone over a frozen policy ('latent').
+    self.rl_trainable = (trainable_lib.Trainable.rl_heads() if policy.rl_heads_only
+                         else self.trainable)
     self.bc_tx = trainable_lib.train_only(
         make_optimizer(bc_config.learning_rate, ppo_config.max_grad_norm), self.trainable)
     self.ppo_tx = trainable_lib.train_only(
         make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm,
-                       b1=ppo_config.adam_b1), self.trainable)
+                       b1=ppo_config.adam_b1), self.rl_trainable)
     self.num_processes = jax.process_count()
     if mesh is None:
       if self.num_processes > 1:
@@ -208,7 +224,7 @@ class Learner:
     self.param_shardings = sharding_lib.param_shardings(self.policy.logical_axes(),
                                                         abstract_params, mesh, rules)
     # The trained subtree's gradients and optimizer moments live like its params.
-    self._trained_shardings = self.trainable.select(self.param_shardings)
+    self._trained_shardings = self.rl_trainable.select(self.param_shardings)
     abstract_state = lambda tx: jax.eval_shape(
         lambda p, k: init_state(p, tx, k), abstract_params, jax.random.PRNGKey(0))
     self._bc_state_sh = bc_sh = self.state_shardings(abstract_state(self.bc_tx))
@@ -227,16 +243,16 @@ class Learner:
     grads_sh = (self._trained_shardings, rep)
     self._micro_grads_jit = jax.jit(
         lambda params, data, total, version: update_lib.micro_grads(
-            self.objective, self.ppo_config, params, data, total, version, self.trainable),
+            self.objective, self.ppo_config, params, data, total, version, self.rl_trainable),
         in_shardings=(self.param_shardings, self._data_sh, rep, rep), out_shardings=grads_sh)
     self._micro_grads_proximal_jit = jax.jit(
         lambda params, data, total, version, proximal: update_lib.micro_grads(
-            self.objective, self.ppo_config, params, data, total, version, self.trainable,
-            self.trainable.merge(params, proximal)),
+            self.objective, self.ppo_config, params, data, total, version, self.rl_trainable,
+            self.rl_trainable.merge(params, proximal)),
         in_shardings=(self.param_shardings, self._data_sh, rep, rep, self._trained_shardings),
         out_shardings=grads_sh)
     self._snapshot_jit = jax.jit(
-        lambda params: jax.tree.map(jnp.copy, self.trainable.select(params)),
+        lambda params: jax.tree.map(jnp.copy, self.rl_trainable.select(params)),
         in_shardings=(self.param_shardings,), out_shardings=self._trained_shardings)
     self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, self._trained_shardings, rep),
                             out_shardings=grads_sh, donate_argnums=0)
@@ -248,17 +264,24 @@ class Learner:
     """Shardings of a train state (arrays or ``ShapeDtypeStruct``s), same tree.
 
     Params take their logical shardings, and every optimizer-state subtree that
-    mirrors the trained params (Adam's ``mu``, ``nu``) takes theirs; step, counts
-    and PRNG key are replicated.
+    mirrors the trained params (Adam's ``mu``, ``nu``; BC's trained subtree or RL's)
+    takes theirs; step, counts and PRNG key are replicated.
     """
     rep = sharding_lib.replicated(self.mesh)
+    opt_state = abstract_state.opt_state
+    for trainable in (self.trainable, self.rl_trainable):
+      trained = trainable.select(self._abstract_params)
+      if jax.tree.structure(trained) in {jax.tree.structure(x) for x in _subtrees(opt_state)}:
+        opt_state = sharding_lib.mirror_shardings(
+            opt_state, trained, trainable.select(self.param_shardings), rep)
+        break
+    else:
+      opt_state = jax.tree.map(lambda _: rep, opt_state)
     return abstract_state.replace(
         step=rep, rng=rep,
         params=sharding_lib.mirror_shardings(abstract_state.params, self._abstract_params,
                                              self.param_shardings, rep),
-        opt_state=sharding_lib.mirror_shardings(
-            abstract_state.opt_state, self.trainable.select(self._abstract_params),
-            self._trained_shardings, rep))
+        opt_state=opt_state)
 
   def shard_state(self, state: TrainState) -> TrainState:
     """``state`` placed on :meth:`state_shardings` (what ``bc_step`` / ``update`` take)."""
@@ -334,7 +357,7 @@ class Learner:
                                                                self.mesh)
     params, opt_state, metrics = update_lib.epochs_update(
         self.objective, self.ppo_tx, self.ppo_config, state.params, state.opt_state, data, key,
-        constrain, version=state.step, trainable=self.trainable,
+        constrain, version=state.step, trainable=self.rl_trainable,
         behaviour_is_proximal=self.behaviour_is_proximal)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
     new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])
@@ -382,10 +405,10 @@ class Learner:
   def _apply(self, state: TrainState, acc, bump_version: jax.Array
              ) -> tuple[TrainState, dict]:
     grads, metrics = acc
-    trained = self.trainable.select(state.params)
+    trained = self.rl_trainable.select(state.params)
     updates, opt_state = self.ppo_tx.update(grads, state.opt_state, trained)
     scale = ppo.step_scale(self.ppo_config.step_scale, metrics)
-    params = self.trainable.merge(
+    params = self.rl_trainable.merge(
         state.params, optax.apply_updates(trained, jax.tree.map(lambda u: scale * u, updates)))
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=jnp.zeros(()),
                    step_scale=scale)

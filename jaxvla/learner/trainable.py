@@ -12,6 +12,10 @@ the learner then
 * writes the updated subtree back into the full params (:meth:`Trainable.merge`),
   which the rollout, checkpoints and exports keep seeing whole.
 
+A policy whose ``rl_heads_only`` is set (the 'latent' sampler) has RL train the
+heads under ``rl/`` alone (:meth:`Trainable.rl_heads`); BC still trains what
+:meth:`Trainable.of` says.
+
 Without adapters everything trains, ``select`` and ``merge`` are the identity and
 the optimizer is the plain one (same state tree as before LoRA existed).
 """
@@ -27,6 +31,7 @@ import optax
 
 from jaxvla.models import lora
 
+RL_PREFIX = "rl/"  # the RL heads' subtree (value, flow_noise std, latent steering)
 Tree = Any  # a nested dict of arrays (params, gradients, shardings, ShapeDtypeStructs)
 
 
@@ -75,6 +80,12 @@ class Trainable:
     if not isinstance(params, Mapping):
       return cls()
     return cls(lora.trainable_predicate(list(_paths(params))))
+
+  @classmethod
+  def rl_heads(cls) -> "Trainable":
+    """The RL heads under ``rl/`` alone (value, steering): what RL trains when the
+    policy's ``rl_heads_only`` (the 'latent' sampler; the base network is frozen)."""
+    return cls(lambda path: path.startswith(RL_PREFIX))
 
   def select(self, tree: Tree) -> Tree:
     """The trained leaves of a params-like ``tree`` (idempotent: a selected tree stays)."""

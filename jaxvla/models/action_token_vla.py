@@ -302,6 +302,7 @@ class ActionTokenPolicy:
     self.chunk_len = config.chunk_len
     self.action_dim = spec.action_dim
     self.log_prob_terms = self.chunk_len * self.action_dim
+    self.rl_heads_only = False
     self.state_dim = spec.state_dim
     self.num_bins = self.net.num_bins
 

@@ -13,6 +13,20 @@ does not depend on the parameters and is left out). Modes:
 * ``flow_sde``: the SDE with the same marginals as the flow ODE (Flow-GRPO's
   form), ``sigma_t = noise_level * sqrt(t / (1 - t))`` and an Euler-Maruyama step.
 * ``flow_noise``: Euler mean with a learned, bounded std per action dimension.
+
+Steered modes: the flow itself stays deterministic (``ode``) and frozen, and RL
+trains a small Gaussian head (:func:`jaxvla.models.pi0.steer`) and the value head
+alone; the chunk's log-prob is that Gaussian's. The policy
+(:class:`jaxvla.models.policy.FlowPolicy`) owns them; this module's functions see
+their flows as ``ode`` chains.
+
+* ``latent`` (DSRL, Wagenmaker et al. 2025, "Steering Your Diffusion Policy with
+  Latent Space Reinforcement Learning"): the head draws the flow's *initial noise*
+  (``chain[:, 0]``); ``latent_mean`` starts the ODE at its mean (evaluation).
+* ``residual`` (residual RL on a frozen chunked policy, as ResiP, Ankile et al. 2024):
+  the base flow runs from ``N(0, 1)`` noise and the head adds a Gaussian correction
+  to its action chunk, seeing that chunk; the chain gets the executed chunk as one
+  more entry (``[B, K + 2, H, A]``). ``residual_mean`` adds the correction's mean.
 """
 
 from __future__ import annotations
@@ -23,7 +37,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-MODES = ("ode", "flow_sde", "flow_noise")
+# Steered mode -> the RL sampler whose head it uses (see the module docstring).
+STEERED = {"latent": "latent", "latent_mean": "latent",
+           "residual": "residual", "residual_mean": "residual"}
+MODES = ("ode", "flow_sde", "flow_noise", *STEERED)
+DETERMINISTIC = ("ode", "latent_mean", "residual_mean")  # no log-probability
 
 # velocity_fn(x_t [B, H, A], t [B]) -> (velocity [B, H, A], learned_std [B, H, A] | None)
 VelocityFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array | None]]
@@ -32,9 +50,40 @@ VelocityFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array | None]
 def check_mode(mode: str, *, needs_log_prob: bool) -> None:
   if mode not in MODES:
     raise ValueError(f"sampler mode {mode!r} is not one of {MODES}")
-  if needs_log_prob and mode == "ode":
-    raise ValueError("the 'ode' sampler is deterministic and has no log-probability; "
-                     "use 'flow_sde' or 'flow_noise' for RL")
+  if needs_log_prob and mode in DETERMINISTIC:
+    raise ValueError(f"the {mode!r} sampler is deterministic and has no log-probability; "
+                     "use 'flow_sde', 'flow_noise', 'latent' or 'residual' for RL")
+
+
+def check_samplers(model) -> None:
+  """The ``config.model`` sampler fields together; ValueError naming the key.
+
+  ``train_sampler`` must have a log-prob (RL), ``eval_sampler`` may be any mode, and
+  a steered evaluation mode needs its head (``train_sampler`` of :data:`STEERED`).
+  """
+  for key, needs in (("train_sampler", True), ("eval_sampler", False)):
+    try:
+      check_mode(model[key], needs_log_prob=needs)
+    except ValueError as e:
+      raise ValueError(f"config.model.{key}: {e}") from None
+  head = STEERED.get(model.eval_sampler)
+  if head and model.train_sampler != head:
+    raise ValueError(f"config.model.eval_sampler: {model.eval_sampler!r} uses the {head!r} "
+                     f"sampler's head; it needs config.model.train_sampler={head!r}")
+  if model.train_sampler in STEERED:
+    if model.steer_hidden < 1:
+      raise ValueError(f"config.model.steer_hidden: must be >= 1, got {model.steer_hidden}")
+    if not model.steer_bound > 0:
+      raise ValueError(f"config.model.steer_bound: must be > 0, got {model.steer_bound}")
+    if not 0 < model.steer_std_min <= model.steer_std_init:
+      raise ValueError("config.model.steer_std_min: need 0 < steer_std_min <= steer_std_init, "
+                       f"got {model.steer_std_min} and {model.steer_std_init}")
+
+
+def _not_steered(mode: str) -> None:
+  if mode in STEERED:
+    raise ValueError(f"the {mode!r} sampler's flow is an 'ode' chain; the policy steers it "
+                     "and passes mode='ode' here")
 
 
 def time_grid(num_steps: int) -> jax.Array:
@@ -87,6 +136,7 @@ def sample_chain(velocity_fn: VelocityFn, noise: jax.Array, rng: jax.Array, *,
     over steps (zeros for ``ode``).
   """
   check_mode(mode, needs_log_prob=False)
+  _not_steered(mode)
   ts = time_grid(num_steps)
   t_cap = 1.0 - 1.0 / num_steps
   batch = noise.shape[0]
@@ -117,6 +167,7 @@ def chain_log_prob(velocity_fn: VelocityFn, chain: jax.Array, *, num_steps: int,
     per-step transition stds ``[B, K, H, A]`` (for entropy terms).
   """
   check_mode(mode, needs_log_prob=True)
+  _not_steered(mode)
   if chain.shape[1] != num_steps + 1:
     raise ValueError(f"chain has {chain.shape[1] - 1} steps, the sampler {num_steps}")
   ts = time_grid(num_steps)

@@ -12,7 +12,9 @@ openpi's ``restore_params`` reads ``params/`` with a plain ``PyTreeCheckpointer`
 :mod:`jaxvla.data.norm_stats`'s). The tree is openpi's (``jaxvla/models/openpi_params.json``
 lists it with its dtypes):
 
-* ``rl/`` (the value head and the flow-noise std head) is dropped: openpi has no RL heads.
+* ``rl/`` (the value head, the flow-noise std head) is dropped: openpi has no RL heads. A
+  policy steered by a 'latent' or 'residual' sampler (``rl/steer_*``) is refused unless
+  ``--base_only``.
 * LoRA adapters (``lora`` leaves) are folded into their weights with
   ``jaxvla.models.lora.merge_lora``, so the export loads into openpi's non-LoRA config.
 * A ViT with jaxvla's fixed ``sincos2d`` position embedding gets that embedding written
@@ -28,7 +30,7 @@ refused too, because openpi needs the file: ``identity_norm_stats=True`` writes
 statistics under which openpi's transform leaves values unchanged up to its ``1e-6``.
 
 ``python -m jaxvla.models.openpi_export --policy=DIR --out=DIR --asset_id=ID
-[--config=FILE] [--identity_norm_stats] [--allow_norm_mode_mismatch]`` loads any policy
+[--config=FILE] [--identity_norm_stats] [--allow_norm_mode_mismatch] [--base_only]`` loads any policy
 :func:`jaxvla.policy_io.load` reads and writes the export.
 """
 
@@ -189,13 +191,23 @@ def export_openpi(out_dir: str, params: Mapping[str, Any],
 
 
 def export_loaded(out_dir: str, loaded, asset_id: str, *, identity_norm_stats: bool = False,
-                  allow_norm_mode_mismatch: bool = False) -> dict:
-  """:func:`export_openpi` of a :class:`jaxvla.policy_io.LoadedPolicy` (pi0 / pi0.5 only)."""
+                  allow_norm_mode_mismatch: bool = False, base_only: bool = False) -> dict:
+  """:func:`export_openpi` of a :class:`jaxvla.policy_io.LoadedPolicy` (pi0 / pi0.5 only).
+
+  A policy RL-trained with a steered sampler ('latent', 'residual') acts through its
+  steering head (``rl/steer_*``), which openpi's tree has no place for: it is refused
+  unless ``base_only`` (export the frozen base flow, which openpi then runs unsteered).
+  """
   name = loaded.config.model.name
   net = getattr(loaded.policy, "net", None)
   if name not in OPENPI_NORM_MODE or net is None:
     raise ValueError(f"config.model.name={name!r}: only pi0 / pi05 policies have openpi's "
                      "tree")
+  if getattr(loaded.policy, "steer", "") and not base_only:
+    raise ValueError(f"the policy steers its flow with rl/steer_* (train_sampler="
+                     f"{loaded.policy.steer!r}), which openpi's tree cannot hold: openpi would run the "
+                     "unsteered base policy. Serve it with jaxvla.serve, or pass --base_only "
+                     "(base_only=True) to export that base policy deliberately")
   dims = (loaded.spec.state_dim, loaded.spec.action_dim) if identity_norm_stats else None
   return export_openpi(out_dir, loaded.params, loaded.normalizer, asset_id, model=name,
                        image_size=net.image_size, patch_size=net.vit.patch_size,
@@ -219,6 +231,8 @@ def main(argv: list[str]) -> None:
                                     "No normaliser: write identity statistics.")
   mismatch_flag = flags.DEFINE_bool("allow_norm_mode_mismatch", False,
                                     "Write statistics of the mode openpi does not use.")
+  base_flag = flags.DEFINE_bool("base_only", False,
+                                "A 'latent'-steered policy: export its unsteered base flow.")
   flags.mark_flags_as_required(["policy", "out", "asset_id"])
 
   def run(_):
@@ -227,7 +241,8 @@ def main(argv: list[str]) -> None:
       loaded = policy_io.load(policy_flag.value, config_flag.value)
       out = export_loaded(out_flag.value, loaded, asset_flag.value,
                           identity_norm_stats=identity_flag.value,
-                          allow_norm_mode_mismatch=mismatch_flag.value)
+                          allow_norm_mode_mismatch=mismatch_flag.value,
+                          base_only=base_flag.value)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
       sys.exit(f"error: {e}")
     print(json.dumps(dict(out, policy=loaded.path, kind=loaded.kind)))

@@ -12,21 +12,23 @@ the prefix's key/value cache, so the prefix is computed once per observation.
   into adaptive RMSNorm (scale, shift, residual gate) in every expert layer.
 
 The top-level keys are openpi's (``PaliGemma``, ``action_in_proj``, ...); the RL
-additions — the value head and the ``flow_noise`` std head — live under ``rl/``
-and are not part of an openpi checkpoint. Variants: ``tiny`` (CPU tests),
+additions — the value head, the ``flow_noise`` std head and, with a steered
+sampler ('latent', 'residual'), the steering head (:func:`steer`) — live under ``rl/`` and are not
+part of an openpi checkpoint. Variants: ``tiny`` (CPU tests),
 ``small``, ``full`` (Gemma 2B + Gemma 300M + So400m/14, openpi's sizes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx, struct
 
-from jaxvla.models import gemma, layers, lora, siglip
+from jaxvla.models import denoise, gemma, layers, lora, siglip
 
 PALIGEMMA_VOCAB_SIZE = 257_152
 
@@ -61,6 +63,13 @@ class Pi0Config:
   value_hidden: int
   noise_std_min: float
   noise_std_max: float
+  # The steering head (:func:`steer`) of a steered sampler: 'latent', 'residual' or ''
+  # (none); its hidden width, the bound of its mean, its initial std and std floor.
+  steer: str = ""
+  steer_hidden: int = 256
+  steer_bound: float = 2.0
+  steer_std_init: float = 1.0
+  steer_std_min: float = 0.05
 
   @classmethod
   def from_config(cls, model: ml_collections.ConfigDict, *, image_size: int, num_cameras: int,
@@ -100,7 +109,10 @@ class Pi0Config:
                state_dim=dims["state_dim"], chunk_len=model.chunk_len, vocab_size=vocab,
                dtype=model.dtype, remat=model.remat, value_source=model.value_source,
                value_hidden=model.value_hidden, noise_std_min=model.noise_std_min,
-               noise_std_max=model.noise_std_max)
+               noise_std_max=model.noise_std_max,
+               steer=model.train_sampler if model.train_sampler in denoise.STEERED else "",
+               steer_hidden=model.steer_hidden, steer_bound=model.steer_bound,
+               steer_std_init=model.steer_std_init, steer_std_min=model.steer_std_min)
 
   @property
   def compute_dtype(self):
@@ -124,12 +136,29 @@ def build(cfg: Pi0Config, rngs: nnx.Rngs) -> layers.Node:
     children["state_proj"] = layers.dense(rngs, cfg.state_dim, ew, ("action", "embed"))
     children["action_time_mlp_in"] = layers.dense(rngs, 2 * ew, ew, ("embed", "embed"))
     children["action_time_mlp_out"] = layers.dense(rngs, ew, ew, ("embed", "embed"))
-  value_in = ew if cfg.value_source == "expert" else cfg.llm.width
-  children["rl"] = layers.Node(
-      value_hidden=layers.dense(rngs, value_in, cfg.value_hidden, ("embed", "mlp")),
-      value_out=layers.dense(rngs, cfg.value_hidden, 1, ("mlp", None)),
-      std_out=layers.dense(rngs, ew, a, ("embed", "action")))
+  value_in = feature_width(cfg)
+  rl = dict(value_hidden=layers.dense(rngs, value_in, cfg.value_hidden, ("embed", "mlp")),
+            value_out=layers.dense(rngs, cfg.value_hidden, 1, ("mlp", None)),
+            std_out=layers.dense(rngs, ew, a, ("embed", "action")))
+  if cfg.steer:
+    hid = cfg.steer_hidden
+    # The residual head also sees the base flow's chunk [H * A].
+    din = value_in + cfg.state_dim + (cfg.chunk_len * a if cfg.steer == "residual" else 0)
+    rl["steer_in"] = layers.dense(rngs, din, hid, (None, "mlp"))
+    rl["steer_hidden"] = layers.dense(rngs, hid, hid, ("mlp", "mlp"))
+    # Zero-initialised mean: the steered policy starts as the base policy (latent: noise
+    # ~ N(0, 1); residual: no correction on average).
+    rl["steer_mean"] = layers.dense(rngs, hid, cfg.chunk_len * a, ("mlp", None),
+                                    kernel_init=layers.zeros)
+    log_std = lambda *args: jnp.full(args[1], math.log(cfg.steer_std_init), args[2])
+    rl["steer_log_std"] = layers.param(rngs, log_std, (cfg.chunk_len, a), (None, "action"))
+  children["rl"] = layers.Node(**rl)
   return layers.Node(**children)
+
+
+def feature_width(cfg: Pi0Config) -> int:
+  """Width of :func:`features` (the value head's and the steering head's input)."""
+  return cfg.expert.width if cfg.value_source == "expert" else cfg.llm.width
 
 
 @struct.dataclass
@@ -268,14 +297,14 @@ def velocity_uncached(cfg: Pi0Config, p: dict, images, tokens, token_mask, image
   return _heads(cfg, p, out[:, -x_t.shape[1]:])
 
 
-def value(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.Array:
-  """State value ``[B]`` from the configured source.
+def features(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.Array:
+  """The observation's pooled features ``[B, D]`` (float32) from the configured source.
 
   'expert': the action expert's output at pi0's state token. That token attends
   to the prefix and itself only, so it does not depend on the noisy actions or
   the flow time and costs one extra token per observation. 'prefix': the masked
   mean of the decoder's prefix outputs (pi0.5's choice); the mask leaves out
-  padding and masked cameras' tokens, so neither value sees a masked camera.
+  padding and masked cameras' tokens, so neither source sees a masked camera.
   """
   if cfg.value_source == "expert":
     tok = layers.apply_dense(p["state_proj"], state.astype(jnp.float32))[:, None]
@@ -284,5 +313,38 @@ def value(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.Arra
   else:
     m = prefix.mask[..., None].astype(jnp.float32)
     pooled = (prefix.hidden.astype(jnp.float32) * m).sum(1) / jnp.maximum(m.sum(1), 1.0)
-  h = jax.nn.gelu(layers.apply_dense(p["rl"]["value_hidden"], pooled.astype(jnp.float32)))
+  return pooled.astype(jnp.float32)
+
+
+def value_head(p: dict, feats: jax.Array) -> jax.Array:
+  """State value ``[B]`` from :func:`features` ``[B, D]``."""
+  h = jax.nn.gelu(layers.apply_dense(p["rl"]["value_hidden"], feats))
   return layers.apply_dense(p["rl"]["value_out"], h)[:, 0]
+
+
+def value(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.Array:
+  """State value ``[B]`` (:func:`value_head` of :func:`features`)."""
+  return value_head(p, features(cfg, p, prefix, state))
+
+
+def steer(cfg: Pi0Config, p: dict, feats: jax.Array, state: jax.Array,
+          base: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """The steering head's Gaussian: mean ``[B, H, A]`` and std ``[H, A]``.
+
+  'latent': over the flow's initial noise; 'residual': over the correction added to
+  the base flow's chunk ``base [B, H, A]`` (which it sees). An MLP on ``[features,
+  state(, base)]`` (the state as the policy receives it); the mean is bounded to
+  ``±steer_bound`` (tanh) so steered noise stays where the flow was trained and a
+  correction stays a correction, and the std is a state-independent parameter
+  (``steer_std_init`` at first) floored at ``steer_std_min``. The mean starts at 0.
+  """
+  q = p["rl"]
+  inputs = [feats, state.astype(jnp.float32)]
+  if cfg.steer == "residual":
+    inputs.append(base.reshape(base.shape[0], -1).astype(jnp.float32))
+  h = jnp.tanh(layers.apply_dense(q["steer_in"], jnp.concatenate(inputs, axis=-1)))
+  h = jnp.tanh(layers.apply_dense(q["steer_hidden"], h))
+  raw = layers.apply_dense(q["steer_mean"], h).reshape(-1, cfg.chunk_len, cfg.action_dim)
+  mean = cfg.steer_bound * jnp.tanh(raw / cfg.steer_bound)
+  std = jnp.maximum(jnp.exp(q["steer_log_std"]), cfg.steer_std_min)
+  return mean, std

@@ -41,8 +41,7 @@ class FlowPolicy:
     self.net = pi0.Pi0Config.from_config(
         config, image_size=h, num_cameras=len(spec.camera_names), state_dim=spec.state_dim,
         action_dim=spec.action_dim, vocab_size=self.tokenizer.vocab_size)
-    denoise.check_mode(config.train_sampler, needs_log_prob=True)
-    denoise.check_mode(config.eval_sampler, needs_log_prob=False)
+    denoise.check_samplers(config)
     self.chunk_len = config.chunk_len
     self.action_dim = spec.action_dim
     self.state_dim = spec.state_dim
@@ -51,7 +50,12 @@ class FlowPolicy:
     self.noise_level = config.noise_level
     self.train_sampler = config.train_sampler
     self.eval_sampler = config.eval_sampler
-    self.log_prob_terms = self.num_steps * self.chunk_len * self.action_dim
+    # Steered samplers ('latent', 'residual'; '' for none): the chunk's log-prob is the
+    # steering head's Gaussian (H x A terms), and RL trains the heads under rl/ alone (a
+    # change of the frozen flow would move the actions without moving that log-prob).
+    self.steer = self.net.steer
+    self.rl_heads_only = bool(self.steer)
+    self.log_prob_terms = (1 if self.steer else self.num_steps) * self.chunk_len * self.action_dim
 
   # ---------------------------------------------------------------- helpers --
   def build(self, rng: jax.Array | int = 0):
@@ -98,25 +102,86 @@ class FlowPolicy:
     """``[A_net]``: 1 for the env's action dims, 0 for padding."""
     return (jnp.arange(self.net.action_dim) < self.action_dim).astype(jnp.float32)
 
+  def _steer(self, params: Params, feats: jax.Array, state: jax.Array,
+             base: jax.Array | None = None):
+    """The steering head's ``(mean [B, H, A_net], std [H, A_net])`` (see ``pi0.steer``)."""
+    return pi0.steer(self.net, params, feats, state,
+                     None if base is None else base * self._dim_mask())
+
+  def _steer_log_prob(self, x: jax.Array, mean: jax.Array, std: jax.Array) -> jax.Array:
+    """Per-dimension log-density ``[B, H, A_net]`` of the steered draw (0 on padded dims)."""
+    return denoise.gaussian_log_prob(x, mean, std) * self._dim_mask()
+
+  def _steer_entropy(self, std: jax.Array, batch_size: int) -> jax.Array:
+    """``[B]``: the steering Gaussian's entropy over the executed dims."""
+    ent = ((jnp.log(std) + 0.5 * jnp.log(2 * jnp.pi * jnp.e)) * self._dim_mask()).sum()
+    return jnp.broadcast_to(ent, (batch_size,))
+
   # --------------------------------------------------------------- contract --
   def act(self, params: Params, batch: dict, rng: jax.Array, mode: str) -> ActOutput:
-    """Samples a chunk. ``mode``: a sampler name, or 'train'/'eval' for the configured one."""
+    """Samples a chunk. ``mode``: a sampler name, or 'train'/'eval' for the configured one.
+
+    The chain is ``[B, K + 1, H, A_net]``, or ``[B, K + 2, H, A_net]`` for the
+    'residual' modes (the base flow's chain, then the executed, corrected chunk).
+    """
     mode = {"train": self.train_sampler, "eval": self.eval_sampler}.get(mode, mode)
+    head = denoise.STEERED.get(mode)
+    if head and head != self.steer:
+      raise ValueError(f"the {mode!r} sampler needs the {head!r} steering head; set "
+                       f"config.model.train_sampler={head!r}")
     prefix = self._prefix(params, batch)
-    b = batch["state"].shape[0]
+    state = batch["state"]
+    b = state.shape[0]
     noise_key, sample_key = jax.random.split(rng)
     noise = jax.random.normal(noise_key, (b, self.chunk_len, self.net.action_dim))
+    feats = pi0.features(self.net, params, prefix, state)
+    dims = self._dim_mask().astype(bool)
+    steered = None
+    if head == "latent":
+      mean, std = self._steer(params, feats, state)
+      # Padded dims act on nothing and keep the base policy's N(0, 1) noise.
+      noise = jnp.where(dims, mean + std * noise if mode == "latent" else mean, noise)
+      steered = self._steer_log_prob(noise, mean, std)
+    flow_key, residual_key = jax.random.split(sample_key)
     chain, logp = denoise.sample_chain(
-        self._velocity_fn(params, prefix, batch["state"]), noise, sample_key,
-        num_steps=self.num_steps, mode=mode, noise_level=self.noise_level)
-    logp = logp * self._dim_mask()
+        self._velocity_fn(params, prefix, state), noise, flow_key, num_steps=self.num_steps,
+        mode="ode" if head else mode, noise_level=self.noise_level)
+    if head == "residual":
+      base = chain[:, -1]
+      mean, std = self._steer(params, feats, state, base)
+      delta = mean
+      if mode == "residual":
+        delta = mean + std * jax.random.normal(residual_key, base.shape)
+      steered = self._steer_log_prob(delta, mean, std)
+      chain = jnp.concatenate([chain, (base + jnp.where(dims, delta, 0.0))[:, None]], axis=1)
+    if steered is not None:
+      logp = steered if mode in ("latent", "residual") else jnp.zeros_like(steered)
+    else:
+      logp = logp * self._dim_mask()
     return ActOutput(actions=chain[:, -1, :, :self.action_dim], chain=chain,
                      log_prob=logp.sum((1, 2)), log_prob_dims=logp,
-                     value=pi0.value(self.net, params, prefix, batch["state"]))
+                     value=pi0.value_head(params, feats))
 
   def evaluate(self, params: Params, batch: dict, chain: jax.Array) -> Evaluation:
-    """Log-prob ``[B]`` of stored chains ``[B, K + 1, H, A_net]`` under ``params``."""
+    """Log-prob ``[B]`` of stored chains (``act``'s shapes) under ``params``."""
     prefix = self._prefix(params, batch)
+    if self.steer:
+      # The flow is frozen and deterministic: only the steering head's draw has a
+      # density (latent: the initial noise; residual: executed minus base chunk).
+      want = self.num_steps + (2 if self.steer == "residual" else 1)
+      if chain.shape[1] != want:
+        raise ValueError(f"a {self.steer!r} chain has {want} entries, got {chain.shape[1]}")
+      state = batch["state"]
+      feats = pi0.features(self.net, params, prefix, state)
+      if self.steer == "latent":
+        mean, std = self._steer(params, feats, state)
+        logp = self._steer_log_prob(chain[:, 0], mean, std)
+      else:
+        mean, std = self._steer(params, feats, state, chain[:, -2])
+        logp = self._steer_log_prob(chain[:, -1] - chain[:, -2], mean, std)
+      return Evaluation(log_prob=logp.sum((1, 2)), log_prob_dims=logp,
+                        value=pi0.value_head(params, feats),
+                        entropy=self._steer_entropy(std, chain.shape[0]))
     logp, stds = denoise.chain_log_prob(
         self._velocity_fn(params, prefix, batch["state"]), chain, num_steps=self.num_steps,
         mode=self.train_sampler, noise_level=self.noise_level)
