@@ -33,6 +33,9 @@ INSTRUCTIONS = {
     "PushT-v1": "push the t block onto the target",
 }
 OBS_MODES = ("rgb", "state")
+# ManiSkill's own reward modes, and 'sparse_shaped': the sparse success reward plus the
+# change of ManiSkill's normalised dense reward used as a potential (see ManiSkillCPU).
+REWARD_MODES = ("sparse", "dense", "normalized_dense", "sparse_shaped")
 CONTROL_MODES = ("pd_joint_delta_pos", "pd_ee_delta_pose", "pd_joint_pos")
 
 
@@ -105,7 +108,13 @@ class ManiSkillCPU(instances.InstanceBatch):
       targets, ``[-1, 1]`` spanning the joint limits).
     image_size: camera width and height (``rgb``).
     max_episode_steps: time limit in env steps.
-    reward_mode: ManiSkill's reward mode (``"sparse"``: 1 on success).
+    reward_mode: one of :data:`REWARD_MODES`. ManiSkill's ``"sparse"`` is 1 on success,
+      which ends the episode. ``"sparse_shaped"`` adds potential-based shaping (Ng et
+      al. 1999) to it: ``phi(s') - phi(s)`` per step, with ``phi`` ManiSkill's normalised
+      dense reward of the state reached (1 at success, 0 before the first step). An
+      episode's shaping sums to ``phi`` of where it ended, so a success (1 + 1) always
+      beats an episode that times out near the goal (< 1), and hovering earns nothing
+      (the plain dense reward pays up to 0.8 per step for it: docs/maniskill.md).
     seed: episode seeds are ``seed + group + num_groups * episode number``
       (:meth:`episode_index`; with ``group_size`` 1 the group is the env index).
     group_size: GRPO group size G; envs ``i // G`` share every episode's seed.
@@ -121,9 +130,14 @@ class ManiSkillCPU(instances.InstanceBatch):
     self._init_groups(group_size, first_env_id, total_envs)
     self.task_name = task
     self.obs_mode = obs_mode
+    if reward_mode not in REWARD_MODES:
+      raise ValueError(f"env.reward_mode={reward_mode!r} is not one of {REWARD_MODES}")
+    self._shaped = reward_mode == "sparse_shaped"
+    self._phi = np.zeros(count)  # sparse_shaped: the potential of each env's state
     self._envs = [make_gym_env(task, obs_mode=obs_mode, control_mode=control_mode,
                                image_size=image_size, max_episode_steps=max_episode_steps,
-                               reward_mode=reward_mode) for _ in range(count)]
+                               reward_mode="normalized_dense" if self._shaped else reward_mode)
+                  for _ in range(count)]
     space = self._envs[0].action_space
     self._low, self._high = space.low.reshape(-1), space.high.reshape(-1)
     self._seed = seed
@@ -137,6 +151,7 @@ class ManiSkillCPU(instances.InstanceBatch):
 
   def _reset_one(self, i: int) -> dict:
     obs, _ = self._envs[i].reset(seed=self.episode_index(i))
+    self._phi[i] = 0.0
     return obs
 
   def _map_actions(self, actions: np.ndarray) -> np.ndarray:
@@ -145,8 +160,10 @@ class ManiSkillCPU(instances.InstanceBatch):
   def _step_one(self, i: int, action: np.ndarray):
     obs, r, term, trunc, info = self._envs[i].step(action[None])
     first = lambda x: _np(x).reshape(-1)[0]
-    return (obs, float(first(r)), bool(first(term)), bool(first(trunc)),
-            bool(first(info["success"])))
+    reward, success = float(first(r)), bool(first(info["success"]))
+    if self._shaped:  # r is the normalised dense reward: the new state's potential
+      reward, self._phi[i] = float(success) + reward - self._phi[i], reward
+    return obs, reward, bool(first(term)), bool(first(trunc)), success
 
   def _observe(self, raw: list) -> protocol.Observation:
     return observation(raw, self.obs_mode, self.spec.camera_names, self.task_name)

@@ -110,3 +110,26 @@ def test_planner_demonstrations_replay_to_success(tmp_path, control_mode):
   np.testing.assert_allclose(other.actions[0], table.actions[0], atol=1e-6)
   n = min(other.lengths[0], table.lengths[0])
   assert np.abs(other.state[5:n, :7] - table.state[5:n, :7]).max() > 1e-3
+
+
+def test_sparse_shaped_reward_is_success_plus_the_dense_potentials_change():
+  """'sparse_shaped' against ManiSkill's own normalised dense reward from the same seed
+  and actions: each step pays success + phi(s') - phi(s), phi the dense reward of the
+  state reached (0 before the first step)."""
+  rng = np.random.default_rng(0)
+  kwargs = dict(obs_mode="state", control_mode="pd_joint_delta_pos", max_episode_steps=100)
+  shaped = maniskill_env.ManiSkillCPU("PickCube-v1", 1, reward_mode="sparse_shaped", **kwargs)
+  dense = maniskill_env.ManiSkillCPU("PickCube-v1", 1, reward_mode="normalized_dense",
+                                     **kwargs)
+  try:
+    phi = 0.0
+    for _ in range(4):
+      a = rng.uniform(-1, 1, (1, 1, 8))
+      rs, rd = shaped.step_chunk(a), dense.step_chunk(a)
+      assert rs.reward[0] == pytest.approx(float(rd.success[0]) + rd.reward[0] - phi, abs=1e-6)
+      phi = rd.reward[0]
+    with pytest.raises(ValueError, match="env.reward_mode"):
+      maniskill_env.ManiSkillCPU("PickCube-v1", 1, reward_mode="shaped", **kwargs)
+  finally:
+    shaped.close()
+    dense.close()
