@@ -44,12 +44,26 @@ def _np(x) -> np.ndarray:
   return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
 
 
-def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int,
-                 max_episode_steps: int, reward_mode: str):
-  """One ManiSkill3 CPU env (``num_envs=1``) as every jaxvla user of the task builds it.
+def simulator_reward_mode(reward_mode: str) -> str:
+  """The reward mode ManiSkill simulates for ``env.reward_mode`` (one of
+  :data:`REWARD_MODES`): 'sparse_shaped' is computed from 'normalized_dense'.
 
   Raises:
-    ValueError: naming ``env.task``, ``env.obs_mode`` or ``env.control_mode``.
+    ValueError: naming ``env.reward_mode``.
+  """
+  if reward_mode not in REWARD_MODES:
+    raise ValueError(f"env.reward_mode={reward_mode!r} is not one of {REWARD_MODES}")
+  return "normalized_dense" if reward_mode == "sparse_shaped" else reward_mode
+
+
+def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int,
+                 max_episode_steps: int, reward_mode: str):
+  """One ManiSkill3 CPU env (``num_envs=1``) as every jaxvla user of the task builds it;
+  its reward is ManiSkill's :func:`simulator_reward_mode` of ``reward_mode``.
+
+  Raises:
+    ValueError: naming ``env.task``, ``env.obs_mode``, ``env.control_mode`` or
+      ``env.reward_mode``.
   """
   if task not in INSTRUCTIONS:
     raise ValueError(f"env.task={task!r} is not one of the offline ManiSkill3 tasks "
@@ -62,7 +76,8 @@ def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int
   import mani_skill.envs  # noqa: F401  (registers the tasks)
 
   kwargs = dict(obs_mode=obs_mode, sim_backend="cpu", num_envs=1, control_mode=control_mode,
-                reward_mode=reward_mode, max_episode_steps=max_episode_steps)
+                reward_mode=simulator_reward_mode(reward_mode),
+                max_episode_steps=max_episode_steps)
   if obs_mode == "rgb":
     kwargs["sensor_configs"] = dict(width=image_size, height=image_size)
   else:
@@ -130,14 +145,11 @@ class ManiSkillCPU(instances.InstanceBatch):
     self._init_groups(group_size, first_env_id, total_envs)
     self.task_name = task
     self.obs_mode = obs_mode
-    if reward_mode not in REWARD_MODES:
-      raise ValueError(f"env.reward_mode={reward_mode!r} is not one of {REWARD_MODES}")
     self._shaped = reward_mode == "sparse_shaped"
     self._phi = np.zeros(count)  # sparse_shaped: the potential of each env's state
     self._envs = [make_gym_env(task, obs_mode=obs_mode, control_mode=control_mode,
                                image_size=image_size, max_episode_steps=max_episode_steps,
-                               reward_mode="normalized_dense" if self._shaped else reward_mode)
-                  for _ in range(count)]
+                               reward_mode=reward_mode) for _ in range(count)]
     space = self._envs[0].action_space
     self._low, self._high = space.low.reshape(-1), space.high.reshape(-1)
     self._seed = seed
