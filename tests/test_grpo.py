@@ -247,6 +247,7 @@ class _LinearGaussian:
   def __init__(self, state_dim, action_size):
     self.state_dim, self.action_size = state_dim, action_size
     self.log_prob_terms = action_size
+    self.rl_heads_only = False  # (the policy contract: RL trains every parameter)
 
   def init(self, rng=None):
     del rng
