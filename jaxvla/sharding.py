@@ -283,28 +283,33 @@ def param_shardings(axes_tree: Any, abstract_params: Any, mesh: jax.sharding.Mes
 
 
 def mirror_shardings(tree: Any, abstract_params: Any, shardings: Any,
-                     default: jax.sharding.Sharding) -> Any:
+                     default: jax.sharding.Sharding, *alternatives: tuple[Any, Any]) -> Any:
   """Shardings for ``tree``: its parameter-like subtrees get the params' ``shardings``.
 
   A subtree with the params' tree structure (the params themselves, Adam's ``mu``
   and ``nu``, ...) takes the params' sharding leaf by leaf where the leaf's shape
   equals the parameter's (a factored statistic with another shape takes
   ``default``); every other leaf (step counts, PRNG keys, ...) takes ``default``.
+  ``alternatives``: more ``(abstract_params, shardings)`` pairs (other subtrees of the
+  params, e.g. the RL phase's trained part), matched by structure the same way.
   """
-  params_def = jax.tree.structure(abstract_params)
-  param_leaves = jax.tree.leaves(abstract_params)
-  sharding_leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  pairs = [(abstract_params, shardings), *alternatives]
+  by_structure = {
+      jax.tree.structure(a): (jax.tree.leaves(a), jax.tree.leaves(
+          s, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
+      for a, s in pairs}
 
   def is_params_like(x) -> bool:
-    return jax.tree.structure(x) == params_def
+    return jax.tree.structure(x) in by_structure
 
   def assign(x):
     if not is_params_like(x):
       return default
-    leaves = jax.tree.leaves(x)
-    return jax.tree.unflatten(params_def, [
+    treedef = jax.tree.structure(x)
+    param_leaves, sharding_leaves = by_structure[treedef]
+    return jax.tree.unflatten(treedef, [
         s if tuple(l.shape) == tuple(p.shape) else default
-        for l, p, s in zip(leaves, param_leaves, sharding_leaves)])
+        for l, p, s in zip(jax.tree.leaves(x), param_leaves, sharding_leaves)])
 
   return jax.tree.map(assign, tree, is_leaf=is_params_like)
 

@@ -151,19 +151,6 @@ class DivergenceGuard:
                 self.what, index, parts, self.in_a_row, self.max_bad)
 
 
-def _subtrees(tree):
-  """Every subtree of a pytree of dicts / tuples / namedtuples (``tree`` included)."""
-  yield tree
-  if isinstance(tree, dict):
-    children = tree.values()
-  elif isinstance(tree, (tuple, list)):
-    children = tree
-  else:
-    return
-  for child in children:
-    yield from _subtrees(child)
-
-
 class Learner:
   """Owns the optimizers and the jitted update functions for one policy.
 
@@ -187,7 +174,7 @@ class Learner:
     self.objective = objectives.make_objective(policy, ppo_config)
     self._abstract_params = policy.abstract_params()
     self.trainable = trainable_lib.Trainable.of(self._abstract_params)
-    # What RL trains: the same, or the RL heads alone over a frozen policy ('latent').
+    # What RL trains: the same, or the RL heads alone over a frozen flow (steered samplers).
     self.rl_trainable = (trainable_lib.Trainable.rl_heads() if policy.rl_heads_only
                          else self.trainable)
     self.bc_tx = trainable_lib.train_only(
@@ -268,20 +255,14 @@ class Learner:
     takes theirs; step, counts and PRNG key are replicated.
     """
     rep = sharding_lib.replicated(self.mesh)
-    opt_state = abstract_state.opt_state
-    for trainable in (self.trainable, self.rl_trainable):
-      trained = trainable.select(self._abstract_params)
-      if jax.tree.structure(trained) in {jax.tree.structure(x) for x in _subtrees(opt_state)}:
-        opt_state = sharding_lib.mirror_shardings(
-            opt_state, trained, trainable.select(self.param_shardings), rep)
-        break
-    else:
-      opt_state = jax.tree.map(lambda _: rep, opt_state)
+    trained = lambda t: (t.select(self._abstract_params), t.select(self.param_shardings))
     return abstract_state.replace(
         step=rep, rng=rep,
         params=sharding_lib.mirror_shardings(abstract_state.params, self._abstract_params,
                                              self.param_shardings, rep),
-        opt_state=opt_state)
+        opt_state=sharding_lib.mirror_shardings(abstract_state.opt_state,
+                                                *trained(self.trainable), rep,
+                                                trained(self.rl_trainable)))
 
   def shard_state(self, state: TrainState) -> TrainState:
     """``state`` placed on :meth:`state_shardings` (what ``bc_step`` / ``update`` take)."""

@@ -12,8 +12,8 @@ the learner then
 * writes the updated subtree back into the full params (:meth:`Trainable.merge`),
   which the rollout, checkpoints and exports keep seeing whole.
 
-A policy whose ``rl_heads_only`` is set (the 'latent' sampler) has RL train the
-heads under ``rl/`` alone (:meth:`Trainable.rl_heads`); BC still trains what
+A policy whose ``rl_heads_only`` is set (the steered samplers 'latent' and
+'residual') has RL train the heads under ``rl/`` alone (:meth:`Trainable.rl_heads`); BC still trains what
 :meth:`Trainable.of` says.
 
 Without adapters everything trains, ``select`` and ``merge`` are the identity and
@@ -31,7 +31,7 @@ import optax
 
 from jaxvla.models import lora
 
-RL_PREFIX = "rl/"  # the RL heads' subtree (value, flow_noise std, latent steering)
+RL_PREFIX = "rl/"  # the RL heads' subtree (value, flow_noise std, steering)
 Tree = Any  # a nested dict of arrays (params, gradients, shardings, ShapeDtypeStructs)
 
 
@@ -84,7 +84,7 @@ class Trainable:
   @classmethod
   def rl_heads(cls) -> "Trainable":
     """The RL heads under ``rl/`` alone (value, steering): what RL trains when the
-    policy's ``rl_heads_only`` (the 'latent' sampler; the base network is frozen)."""
+    policy's ``rl_heads_only`` (a steered sampler; the base network is frozen)."""
     return cls(lambda path: path.startswith(RL_PREFIX))
 
   def select(self, tree: Tree) -> Tree:

@@ -86,7 +86,7 @@ class Policy(Protocol):
   # Terms summed in one chunk's log-prob: Gaussian transitions (denoise steps x actions
   # x executed dims) for flow policies, tokens for action-token ones.
   log_prob_terms: int
-  # RL trains the heads under ``rl/`` alone (the 'latent' sampler: the log-prob is the
+  # RL trains the heads under ``rl/`` alone (the steered samplers: the log-prob is the
   # steered noise's, so a change of the frozen network must not move the actions).
   rl_heads_only: bool
 

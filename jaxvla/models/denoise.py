@@ -125,6 +125,11 @@ def gaussian_log_prob(x: jax.Array, mean: jax.Array, std: jax.Array) -> jax.Arra
   return -0.5 * z * z - jnp.log(std) - 0.5 * math.log(2.0 * math.pi)
 
 
+def gaussian_entropy(std: jax.Array) -> jax.Array:
+  """Elementwise entropy of ``N(., std^2)``, same shape as ``std``."""
+  return jnp.log(std) + 0.5 * math.log(2.0 * math.pi * math.e)
+
+
 def sample_chain(velocity_fn: VelocityFn, noise: jax.Array, rng: jax.Array, *,
                  num_steps: int, mode: str,
                  noise_level: float) -> tuple[jax.Array, jax.Array]:

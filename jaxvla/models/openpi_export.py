@@ -205,8 +205,8 @@ def export_loaded(out_dir: str, loaded, asset_id: str, *, identity_norm_stats: b
                      "tree")
   if getattr(loaded.policy, "steer", "") and not base_only:
     raise ValueError(f"the policy steers its flow with rl/steer_* (train_sampler="
-                     f"{loaded.policy.steer!r}), which openpi's tree cannot hold: openpi would run the "
-                     "unsteered base policy. Serve it with jaxvla.serve, or pass --base_only "
+                     f"{loaded.policy.steer!r}), which openpi's tree cannot hold: openpi "
+                     "would run the unsteered base policy. Serve it with jaxvla.serve, or pass --base_only "
                      "(base_only=True) to export that base policy deliberately")
   dims = (loaded.spec.state_dim, loaded.spec.action_dim) if identity_norm_stats else None
   return export_openpi(out_dir, loaded.params, loaded.normalizer, asset_id, model=name,
@@ -232,7 +232,7 @@ def main(argv: list[str]) -> None:
   mismatch_flag = flags.DEFINE_bool("allow_norm_mode_mismatch", False,
                                     "Write statistics of the mode openpi does not use.")
   base_flag = flags.DEFINE_bool("base_only", False,
-                                "A 'latent'-steered policy: export its unsteered base flow.")
+                                "A steered policy ('latent' / 'residual'): export its base flow.")
   flags.mark_flags_as_required(["policy", "out", "asset_id"])
 
   def run(_):

@@ -150,7 +150,7 @@ def build(cfg: Pi0Config, rngs: nnx.Rngs) -> layers.Node:
     # ~ N(0, 1); residual: no correction on average).
     rl["steer_mean"] = layers.dense(rngs, hid, cfg.chunk_len * a, ("mlp", None),
                                     kernel_init=layers.zeros)
-    log_std = lambda *args: jnp.full(args[1], math.log(cfg.steer_std_init), args[2])
+    log_std = lambda key, shape, dtype: jnp.full(shape, math.log(cfg.steer_std_init), dtype)
     rl["steer_log_std"] = layers.param(rngs, log_std, (cfg.chunk_len, a), (None, "action"))
   children["rl"] = layers.Node(**rl)
   return layers.Node(**children)

@@ -114,7 +114,7 @@ class FlowPolicy:
 
   def _steer_entropy(self, std: jax.Array, batch_size: int) -> jax.Array:
     """``[B]``: the steering Gaussian's entropy over the executed dims."""
-    ent = ((jnp.log(std) + 0.5 * jnp.log(2 * jnp.pi * jnp.e)) * self._dim_mask()).sum()
+    ent = (denoise.gaussian_entropy(std) * self._dim_mask()).sum()
     return jnp.broadcast_to(ent, (batch_size,))
 
   # --------------------------------------------------------------- contract --
@@ -136,12 +136,11 @@ class FlowPolicy:
     noise = jax.random.normal(noise_key, (b, self.chunk_len, self.net.action_dim))
     feats = pi0.features(self.net, params, prefix, state)
     dims = self._dim_mask().astype(bool)
-    steered = None
     if head == "latent":
       mean, std = self._steer(params, feats, state)
       # Padded dims act on nothing and keep the base policy's N(0, 1) noise.
       noise = jnp.where(dims, mean + std * noise if mode == "latent" else mean, noise)
-      steered = self._steer_log_prob(noise, mean, std)
+      draw = noise
     flow_key, residual_key = jax.random.split(sample_key)
     chain, logp = denoise.sample_chain(
         self._velocity_fn(params, prefix, state), noise, flow_key, num_steps=self.num_steps,
@@ -149,15 +148,14 @@ class FlowPolicy:
     if head == "residual":
       base = chain[:, -1]
       mean, std = self._steer(params, feats, state, base)
-      delta = mean
+      draw = mean
       if mode == "residual":
-        delta = mean + std * jax.random.normal(residual_key, base.shape)
-      steered = self._steer_log_prob(delta, mean, std)
-      chain = jnp.concatenate([chain, (base + jnp.where(dims, delta, 0.0))[:, None]], axis=1)
-    if steered is not None:
-      logp = steered if mode in ("latent", "residual") else jnp.zeros_like(steered)
-    else:
+        draw = mean + std * jax.random.normal(residual_key, base.shape)
+      chain = jnp.concatenate([chain, (base + jnp.where(dims, draw, 0.0))[:, None]], axis=1)
+    if not head:
       logp = logp * self._dim_mask()
+    elif mode == head:  # 'latent' / 'residual' draw; their '_mean' modes are deterministic
+      logp = self._steer_log_prob(draw, mean, std)
     return ActOutput(actions=chain[:, -1, :, :self.action_dim], chain=chain,
                      log_prob=logp.sum((1, 2)), log_prob_dims=logp,
                      value=pi0.value_head(params, feats))
@@ -188,7 +186,7 @@ class FlowPolicy:
     mask = self._dim_mask()
     logp = logp * mask
     # Entropy of the Gaussian transitions, summed over executed dims, averaged over steps.
-    entropy = ((jnp.log(stds) + 0.5 * jnp.log(2 * jnp.pi * jnp.e)) * mask).sum((2, 3)).mean(1)
+    entropy = (denoise.gaussian_entropy(stds) * mask).sum((2, 3)).mean(1)
     return Evaluation(log_prob=logp.sum((1, 2)), log_prob_dims=logp,
                       value=pi0.value(self.net, params, prefix, batch["state"]),
                       entropy=entropy)
