@@ -3,7 +3,7 @@
 Loads the policy with :func:`jaxvla.policy_io.load` (a jaxvla export, a run or its
 ``checkpoints/``, or an openpi checkpoint step with ``--config``) and serves it
 over openpi's websocket + msgpack protocol (:mod:`jaxvla.serving.server`) until
-Ctrl-C. Flags:
+Ctrl-C or SIGTERM (a scheduler's stop), closing its connections first. Flags:
 
 * ``--config``: the policy's run config (required for an openpi checkpoint, e.g.
   ``configs/openpi.py:pi0``; replaces a jaxvla policy's stored one);
@@ -85,8 +85,9 @@ def main(argv: list[str]) -> None:
                             f"{config.obs_map.name!r}); Ctrl-C stops", flush=True)
     try:
       server.serve_forever(on_ready=ready)
-    except KeyboardInterrupt:
-      print("stopped", flush=True)
+    except KeyboardInterrupt:  # (a second Ctrl-C while stopping)
+      pass
+    print("stopped", flush=True)
 
   app.run(body, argv)
 

@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -61,20 +62,44 @@ def _env() -> dict:
   return env
 
 
+class _Process:
+  """A subprocess whose stdout and stderr go to temporary files, not pipes: a pipe that
+  nobody reads fills at 64 KiB and blocks its writer, and two processes joined in a
+  collective would then both hang while the test waits for one of them."""
+
+  def __init__(self, argv: list[str]):
+    self._out, self._err = (tempfile.TemporaryFile("w+", encoding="utf-8") for _ in range(2))
+    self.popen = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=self._out,
+                                  stderr=self._err, text=True)
+
+  def communicate(self, timeout: float) -> tuple[str, str]:
+    """Waits for the exit (``subprocess.TimeoutExpired`` after ``timeout`` s); its output."""
+    self.popen.wait(timeout)
+    texts = []
+    for f in (self._out, self._err):
+      f.seek(0)
+      texts.append(f.read())
+      f.close()
+    return texts[0], texts[1]
+
+  def stop(self) -> None:
+    """Kills the process if it still runs."""
+    if self.popen.poll() is None:
+      self.popen.kill()
+      self.popen.wait()
+
+
 def _run_processes(argv_of, n: int, timeout: float) -> list[subprocess.CompletedProcess]:
   """Starts ``n`` processes (``argv_of(i)``) and waits for all; a hang fails the test."""
-  procs = [subprocess.Popen(argv_of(i), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i in range(n)]
+  procs = [_Process(argv_of(i)) for i in range(n)]
   out = []
   try:
-    for i, p in enumerate(procs):
+    for p in procs:
       stdout, stderr = p.communicate(timeout=timeout)
-      out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+      out.append(subprocess.CompletedProcess(p.popen.args, p.popen.returncode, stdout, stderr))
   finally:
     for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
+      p.stop()
   for i, r in enumerate(out):
     assert r.returncode == 0, f"process {i} failed:\n{r.stderr[-6000:]}"
   return out
@@ -238,17 +263,16 @@ def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
   GRPO without the streamer (L1+L2), so its updates are checked too."""
   workdir = str(tmp_path / "run")
   port = _free_port()
-  procs = [subprocess.Popen(_main_argv(workdir, port, i, "--config.total_env_steps=1000000",
-                                       "--config.eval.every_iters=1000",
-                                       "--config.checkpoint.every_iters=1000", *_GRPO,
-                                       "--config.pipeline.streamer=False", _NO_WARM_START),
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for i in range(2)]
+  procs = [_Process(_main_argv(workdir, port, i, "--config.total_env_steps=1000000",
+                               "--config.eval.every_iters=1000",
+                               "--config.checkpoint.every_iters=1000", *_GRPO,
+                               "--config.pipeline.streamer=False", _NO_WARM_START))
+           for i in range(2)]
   metrics = os.path.join(workdir, "metrics.jsonl")
   try:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:  # Wait for the second RL update (process 0 writes).
-      assert all(p.poll() is None for p in procs), "a process ended before the interrupt"
+      assert all(p.popen.poll() is None for p in procs), "a process ended before the interrupt"
       if os.path.exists(metrics):
         with open(metrics, encoding="utf-8") as f:
           if sum('"phase": "train"' in line for line in f) >= 2:
@@ -256,15 +280,13 @@ def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
       time.sleep(0.5)
     else:
       pytest.fail("no RL update within 600 s")
-    procs[1].send_signal(signal.SIGINT)
+    procs[1].popen.send_signal(signal.SIGINT)
     results = [p.communicate(timeout=300) for p in procs]
   finally:
     for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
+      p.stop()
   for p, (_, stderr) in zip(procs, results):
-    assert p.returncode == 0, stderr[-4000:]
+    assert p.popen.returncode == 0, stderr[-4000:]
   a, b = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
   assert a["interrupted"] and b["interrupted"]
   assert a["pipeline"] == "async[L1+L2]"
@@ -278,17 +300,14 @@ def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
 @pytest.mark.multihost
 def test_processes_with_different_workdirs_fail_with_a_clear_error(tmp_path):
   port = _free_port()
-  procs = [subprocess.Popen(_main_argv(str(tmp_path / f"run{i}"), port, i), cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
+  procs = [_Process(_main_argv(str(tmp_path / f"run{i}"), port, i)) for i in range(2)]
   try:
     results = [p.communicate(timeout=300) for p in procs]
   finally:
     for p in procs:
-      if p.poll() is None:
-        p.kill()
+      p.stop()
   for p, (_, stderr) in zip(procs, results):
-    assert p.returncode != 0
+    assert p.popen.returncode != 0
     assert "--workdir differs between processes" in stderr, stderr[-3000:]
 
 

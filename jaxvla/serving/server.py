@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
+import signal
 import threading
 import time
 import traceback
@@ -95,7 +96,9 @@ class PolicyServer:
 
   # ---------------------------------------------------------------- lifetime --
   def serve_forever(self, on_ready: Callable[[int], None] | None = None) -> None:
-    """Serves in this thread until Ctrl-C (or the batching thread fails: re-raised)."""
+    """Serves in this thread until SIGINT (Ctrl-C) or SIGTERM, then returns; a second
+    signal while stopping raises ``KeyboardInterrupt``. The batching thread's error,
+    if it died of one, is re-raised."""
     try:
       asyncio.run(self._serve(on_ready))
     finally:
@@ -133,8 +136,28 @@ class PolicyServer:
     if self._thread_error is not None:
       raise RuntimeError("the server failed") from self._thread_error
 
+  def _on_signal(self, signum: int) -> None:
+    if self._stop.is_set():  # (a second Ctrl-C: stop waiting for a clean shutdown)
+      raise KeyboardInterrupt
+    _log.info("%s: stopping", signal.Signals(signum).name)
+    self._stop.set()
+
   async def _serve(self, on_ready: Callable[[int], None] | None) -> None:
     self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+    # In the main thread (the command), SIGINT and SIGTERM set the stop event through the
+    # loop's own signal handling, which wakes the loop at once; the server then closes its
+    # connections and returns, rather than relying on the task's cancellation.
+    signals = ((signal.SIGINT, signal.SIGTERM)
+               if threading.current_thread() is threading.main_thread() else ())
+    for signum in signals:
+      self._loop.add_signal_handler(signum, self._on_signal, signum)
+    try:
+      await self._serve_until_stopped(on_ready)
+    finally:
+      for signum in signals:
+        self._loop.remove_signal_handler(signum)
+
+  async def _serve_until_stopped(self, on_ready: Callable[[int], None] | None) -> None:
     if self.config.warmup:
       start = time.monotonic()
       self.runner.warmup(self.obs_map.parse(self.obs_map.example()))
@@ -159,7 +182,7 @@ class PolicyServer:
               await asyncio.wait_for(self._stop.wait(), _WATCH_S)
             except asyncio.TimeoutError:
               pass
-        finally:  # (also on Ctrl-C, which cancels this coroutine)
+        finally:  # (also when cancelled)
           stopping = time.monotonic()
           _log.info("stopping: closing %d connection(s)", len(server.connections))
     finally:
