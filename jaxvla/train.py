@@ -151,7 +151,7 @@ def _evaluate(config, s: Setup, params, rng) -> dict[str, float]:
   params = distributed.local_replica(params, s.learner.mesh)
   if s.eval_env is None:
     result = dict.fromkeys(evaluate_lib.EVAL_KEYS, 0.0)
-  else:  # The same episodes every time (fixed seed) so evaluations compare paired.
+  else:  # The same episodes (fixed seed) and noise (the key) every time: paired.
     result = evaluate_lib.evaluate(normalized.wrap(s.eval_env, s.normalizer), s.policy,
                                     s.act_eval, params, rng,
                                     seed=config.seed + evaluate_lib.EVAL_SEED_OFFSET,
@@ -256,13 +256,18 @@ def _changed_model_keys(config, written: dict | None) -> str:
   return f" (changed since that run: {', '.join(changed)})" if changed else ""
 
 
+def _setup_keys(rng: jax.Array) -> jax.Array:
+  """``rng`` -> the keys of the initial params, BC, PPO's state and every evaluation."""
+  return jax.random.split(rng, 4)
+
+
 def _initial_state(config, s: Setup, rng, written: dict | None = None
                    ) -> tuple[learner_lib.TrainState, RunState]:
   """Restores the latest checkpoint (``config.resume``) or warm-starts a fresh policy.
 
   ``written``: the config the workdir's run wrote (its ``config.json``), if any.
   """
-  init_key, bc_key, ppo_key, eval_key = jax.random.split(rng, 4)
+  init_key, bc_key, ppo_key, eval_key = _setup_keys(rng)
   step = s.checkpointer.latest_step()
   if config.resume:  # (a checkpoint exists: checked before anything was written)
     # The restore target's structure and shardings, computed abstractly (nothing is
@@ -395,7 +400,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
   env = make_vec_env(config.env, config.num_envs, distributed.host_seed(config.seed),
                      num_workers=config.env_workers, step_timeout_s=config.env_step_timeout_s,
                      hang_floor_s=config.env_hang_floor_s)
-  setup_key, rollout_key, eval_key = jax.random.split(rng, 3)
+  setup_key, rollout_key, _ = jax.random.split(rng, 3)
+  # Every evaluation of the run samples with the warm start's key: the same episodes and
+  # the same sampler noise (common random numbers), so a change in success between two
+  # evaluations is the policy's change, not another draw of the noise.
+  eval_key = _setup_keys(setup_key)[3]
   s = None
   try:
     s = _build(config, workdir, env.spec)
@@ -443,7 +452,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
     guard.check(float(info.metrics["nonfinite"]), run.iteration)  # (after its record)
     done = run.env_steps >= config.total_env_steps
     if run.iteration % config.eval.every_iters == 0 or done:
-      last_eval = _evaluate(config, s, state.params, jax.random.fold_in(eval_key, run.iteration))
+      last_eval = _evaluate(config, s, state.params, eval_key)
       s.writer.write(run.env_steps, "eval", last_eval)
     if run.iteration % config.checkpoint.every_iters == 0 or done:
       _save(s, run, state, pipe)
