@@ -1,10 +1,11 @@
-"""ManiSkill3 through the jaxvla env contract, the worker pool and the training loop (CPU)."""
+"""ManiSkill3 through the jaxvla env contract and the worker pool (CPU). The training loop
+on ManiSkill3, from planner demonstrations through SFT and RL, is the learning step's
+``tests/test_learning.py::test_sft_then_rl_raises_maniskill_success``."""
 
 import numpy as np
 import pytest
 
 from configs import maniskill as maniskill_config
-from jaxvla import train
 from jaxvla.envs import make_vec_env
 from jaxvla.envs import maniskill as maniskill_env
 
@@ -51,20 +52,6 @@ def test_group_members_share_initial_states():
     assert not np.array_equal(r.final_obs.state[0], r.obs.state[0])
   finally:
     env.close()
-
-
-@pytest.mark.long  # (started first: the step's tests run in parallel)
-def test_training_loop_runs_on_maniskill_state(tmp_path):
-  c = maniskill_config.get_config("state")
-  c.total_env_steps = 200
-  c.num_envs = 2
-  c.env_workers = 2
-  c.rollout_len = 4
-  c.eval.num_episodes = 2
-  c.log.progress = False
-  summary = train.train_and_evaluate(c, str(tmp_path / "run"))
-  assert summary["env_steps"] >= 200 and summary["iterations"] >= 1
-  assert 0.0 <= summary["success_rate"] <= 1.0
 
 
 @pytest.mark.parametrize("control_mode", ["pd_joint_delta_pos", "pd_joint_pos"])
