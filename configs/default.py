@@ -156,7 +156,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.ppo.value_targets = "rollout"  # Advantages from: 'rollout', 'learner' or 'vtrace'.
   # 'ess': scale each optimizer step by the effective sample size fraction of its
   # importance weights, mean(w)^2 / mean(w^2) (1 on fresh data, less the staler it is).
-  c.ppo.step_scale = "none"  # Step size under staleness: 'none' or 'ess'.
+  c.ppo.step_scale = "none"  # Step size under staleness: 'none', 'ess' or 'staleness'.
 
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.mode = "sync_colocated"  # 'sync_colocated', 'sync_disaggregated' or 'async'.

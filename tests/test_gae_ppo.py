@@ -320,27 +320,33 @@ def test_learner_value_targets_and_staleness_diagnostics(value_targets):
   np.testing.assert_allclose(m["advantage_drift_stale"], adv_drift[stale].mean(), rtol=1e-4)
 
 
-def test_ess_step_scale_shrinks_the_step_by_the_weights_effective_sample_size():
-  """``ppo.step_scale='ess'``: one optimizer step moves the params by
-  ``mean(w)^2 / mean(w^2)`` of the step 'none' takes (w: the applied decoupled
-  weights), and by exactly that step on fresh data (all weights 1)."""
-  import optax  # pylint: disable=import-outside-toplevel
-  from jaxvla import types  # pylint: disable=import-outside-toplevel
-  from jaxvla.learner import update  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(11)
-  t_len, b = 2, 8
-  f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
-  params = dict(lp=jnp.asarray(f32(t_len * b)), v=jnp.asarray(f32(t_len * b)))
-  zeros = np.zeros((t_len, b), bool)
-  value, reward, bootstrap = f32(t_len, b), f32(t_len, b), f32(b)
+class _OneStep:
+  """One decoupled-PPO optimizer step (plain SGD) of a table critic on a fixed batch:
+  ``(params change, metrics)`` for a ``ppo.step_scale``, the behaviour log-probs and the
+  rows' policy versions, at the learner's ``version``."""
 
-  def step(step_scale, behaviour_log_prob):
+  def __init__(self, seed: int):
+    rng = np.random.default_rng(seed)
+    self.t_len, self.b = 2, 8
+    self.f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    n = self.t_len * self.b
+    self.params = dict(lp=jnp.asarray(self.f32(n)), v=jnp.asarray(self.f32(n)))
+    self.value, self.reward = self.f32(self.t_len, self.b), self.f32(self.t_len, self.b)
+    self.bootstrap = self.f32(self.b)
+
+  def __call__(self, step_scale, behaviour_log_prob, policy_version=None, version=0):
+    import optax  # pylint: disable=import-outside-toplevel
+    from jaxvla import types  # pylint: disable=import-outside-toplevel
+    from jaxvla.learner import update  # pylint: disable=import-outside-toplevel
+    t_len, b = self.t_len, self.b
+    zeros = np.zeros((t_len, b), bool)
     traj = types.Trajectory(
         batch=dict(i=np.arange(t_len * b).reshape(t_len, b)), chain=np.zeros((t_len, b, 1)),
-        log_prob=behaviour_log_prob, value=value, reward=reward, done=zeros,
+        log_prob=behaviour_log_prob, value=self.value, reward=self.reward, done=zeros,
         terminated=zeros, final_value=np.zeros((t_len, b), np.float32),
-        steps=np.ones((t_len, b), np.int32), bootstrap_value=bootstrap,
-        policy_version=np.zeros((t_len, b), np.int32))
+        steps=np.ones((t_len, b), np.int32), bootstrap_value=self.bootstrap,
+        policy_version=(np.zeros((t_len, b), np.int32) if policy_version is None
+                        else policy_version))
     traj = jax.tree.map(jnp.asarray, traj)  # (on the device, as the learner passes it)
     cfg = ml_collections.ConfigDict(dict(
         algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets="rollout",
@@ -349,11 +355,18 @@ def test_ess_step_scale_shrinks_the_step_by_the_weights_effective_sample_size():
         target_kl=0.0, step_scale=step_scale))
     tx = optax.sgd(0.1)
     new, _, metrics = update.epochs_update(objectives.PPOObjective(_TableCritic(), cfg), tx,
-                                           cfg, params, tx.init(params), traj,
-                                           jax.random.PRNGKey(0))
-    return jax.tree.map(lambda a, b: np.asarray(a - b), new, params), metrics
+                                           cfg, self.params, tx.init(self.params), traj,
+                                           jax.random.PRNGKey(0), version=version)
+    return jax.tree.map(lambda a, b: np.asarray(a - b), new, self.params), metrics
 
-  stale = np.asarray(params["lp"]).reshape(t_len, b) + f32(t_len, b)  # Weights e^{-noise}.
+
+def test_ess_step_scale_shrinks_the_step_by_the_weights_effective_sample_size():
+  """``ppo.step_scale='ess'``: one optimizer step moves the params by
+  ``mean(w)^2 / mean(w^2)`` of the step 'none' takes (w: the applied decoupled
+  weights), and by exactly that step on fresh data (all weights 1)."""
+  step = _OneStep(11)
+  params, t_len, b = step.params, step.t_len, step.b
+  stale = np.asarray(params["lp"]).reshape(t_len, b) + step.f32(t_len, b)  # Weights e^{-noise}.
   plain, _ = step("none", stale)
   scaled, metrics = step("ess", stale)
   w = np.minimum(np.exp(np.asarray(params["lp"]) - stale.reshape(-1)), 2.0)
@@ -367,6 +380,24 @@ def test_ess_step_scale_shrinks_the_step_by_the_weights_effective_sample_size():
     np.testing.assert_allclose(a, b_, rtol=1e-6)
   with pytest.raises(ValueError, match="config.ppo.step_scale"):
     ppo.step_scale("adaptive", dict(is_weight=1.0, is_weight_sq=1.0))
+
+
+def test_staleness_step_scale_shrinks_steps_staler_than_two_versions():
+  """``ppo.step_scale='staleness'``: a step whose rows are on average ``lag`` versions
+  behind the learner moves the params by ``min(1, 2 / lag)`` of the step 'none' takes;
+  ``lag`` is logged per step."""
+  step = _OneStep(12)
+  t_len, b = step.t_len, step.b
+  behaviour = np.asarray(step.params["lp"]).reshape(t_len, b) + step.f32(t_len, b)
+  for lags, expected in (([9, 8, 7, 4, 4, 4, 3, 1], 5.0), ([1, 2, 1, 2, 1, 2, 1, 2], 1.5)):
+    versions = np.tile(10 - np.array(lags, np.int32), (t_len, 1))
+    plain, _ = step("none", behaviour, versions, version=10)
+    scaled, metrics = step("staleness", behaviour, versions, version=10)
+    np.testing.assert_allclose(metrics["lag"], expected, rtol=1e-6)
+    scale = min(1.0, 2.0 / expected)
+    np.testing.assert_allclose(metrics["step_scale"], scale, rtol=1e-6)
+    for k in plain:
+      np.testing.assert_allclose(scaled[k], scale * plain[k], rtol=1e-4, atol=1e-7)
 
 
 def test_fresh_data_skips_the_proximal_pass_and_is_the_same_update():

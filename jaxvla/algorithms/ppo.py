@@ -197,7 +197,11 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
   return loss, metrics
 
 
-STEP_SCALES = ("none", "ess")
+STEP_SCALES = ("none", "ess", "staleness")
+# "staleness": the mean staleness (versions behind the learner) up to which a step is
+# whole; staler steps shrink in proportion (full async learns as well as sync up to 2 at
+# the default step size, docs/pipeline.md "Learning parity").
+FULL_STEP_STALENESS = 2.0
 
 
 def ess_fraction(is_weight: jax.Array, is_weight_sq: jax.Array) -> jax.Array:
@@ -212,7 +216,10 @@ def step_scale(step_scale_name: str, metrics: dict) -> jax.Array:
   """The factor on one optimizer step's update (``ppo.step_scale``): ``1`` for "none";
   for "ess", :func:`ess_fraction` of the step's importance weights, so that a gradient
   estimated from stale data with the information of fewer samples moves the policy
-  proportionally less (1 on fresh data: the synchronous step is unchanged).
+  proportionally less (1 on fresh data: the synchronous step is unchanged); for
+  "staleness", ``min(1, FULL_STEP_STALENESS / lag)`` with ``lag`` the step's
+  row-weighted mean staleness (``metrics["lag"]``), as delayed-gradient methods scale
+  the step by the delay (1 up to a staleness of 2).
 
   Raises:
     ValueError: naming ``config.ppo.step_scale`` if it is not one of :data:`STEP_SCALES`.
@@ -222,6 +229,9 @@ def step_scale(step_scale_name: str, metrics: dict) -> jax.Array:
                      f"got {step_scale_name!r}")
   if step_scale_name == "none":
     return jnp.ones((), jnp.float32)
+  if step_scale_name == "staleness":
+    lag = jnp.asarray(metrics["lag"], jnp.float32)
+    return jnp.minimum(1.0, FULL_STEP_STALENESS / jnp.maximum(lag, FULL_STEP_STALENESS))
   return jax.lax.stop_gradient(ess_fraction(metrics["is_weight"], metrics["is_weight_sq"]))
 
 

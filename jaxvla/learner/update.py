@@ -42,6 +42,12 @@ def _uses_proximal(cfg: ml_collections.ConfigDict) -> bool:
           or cfg.value_targets != "rollout")
 
 
+def _mean_lag(weights: jax.Array, rows: dict, version: jax.Array | int) -> jax.Array:
+  """The rows' weighted mean staleness (versions behind ``version``): a weighted sum,
+  so a streamed update's micro-batches add up to the whole batch's."""
+  return jnp.sum(weights * (version - rows["version"]).astype(jnp.float32))
+
+
 def _with_proximal(objective: Objective, params, data, rows: dict, version: jax.Array,
                    split: Callable[[jax.Array], jax.Array] = lambda x: x[None]) -> dict:
   """``rows`` with ``proximal`` / ``proximal_value`` (``rows`` under ``params``, no
@@ -104,9 +110,11 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
 
   def minibatch_step(carry, minibatch):
     sub, opt_state, stop = carry
+    weights = objective.weights(minibatch)
     (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(
-        sub, minibatch, objective.weights(minibatch))
+        sub, minibatch, weights)
     del loss  # (in metrics)
+    metrics = dict(metrics, lag=_mean_lag(weights, minibatch, version))
     updates, new_opt_state = tx.update(grads, opt_state, sub)
     scale = ppo.step_scale(cfg.step_scale, metrics)
     new_sub = optax.apply_updates(sub, jax.tree.map(lambda u: scale * u, updates))
@@ -166,6 +174,7 @@ def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, da
   weights = objective.streamed_weights(rows, total_rows)
   loss_of = lambda sub: objective.loss(trainable.merge(params, sub), rows, weights)
   (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable.select(params))
+  metrics = dict(metrics, lag=_mean_lag(weights, rows, version))
   share = rows["log_prob"].shape[0] / total_rows
   metrics.update({k: share * v for k, v in objective.batch_metrics(data, rows).items()})
   return grads, metrics
