@@ -14,10 +14,37 @@ from configs import default  # noqa: E402
 def pytest_collection_modifyitems(config, items):
   """Tests marked ``long`` first, the long learning runs (minutes) before the other long
   tests, stable otherwise: with parallel workers (``launch/test.sh``), a long test
-  started last would run on alone at the end."""
-  del config
+  started last would run on alone at the end.
+
+  Under pytest-xdist the order is also dealt out over the workers. Its ``worksteal``
+  scheduler first gives each worker a contiguous share of the list, and it steals
+  from a queue only when more than 2 tests wait there. So the slow step's 4 tests
+  ran as two learning runs in a row on one worker while the other finished its two
+  short runs and stood idle. Dealt, each worker's share starts with its own long test.
+  """
   items.sort(key=lambda item: (item.get_closest_marker("long") is None,
                                item.get_closest_marker("learning") is None))
+  workers = getattr(config, "workerinput", {}).get("workercount", 1)
+  if workers > 1:
+    items[:] = _dealt(items, workers)
+
+
+def _dealt(items: list, workers: int) -> list:
+  """``items`` reordered so that worker ``k``'s contiguous share (as xdist's worksteal
+  sizes them: the rest divided by the workers left) holds items ``k``, ``k + workers``,
+  ... of the original order, as far as the shares' sizes allow."""
+  sizes, left = [], len(items)
+  for k in range(workers):
+    sizes.append(left // (workers - k))
+    left -= sizes[-1]
+  shares = [[] for _ in range(workers)]
+  k = 0
+  for item in items:
+    while len(shares[k]) == sizes[k]:
+      k = (k + 1) % workers
+    shares[k].append(item)
+    k = (k + 1) % workers
+  return [item for share in shares for item in share]
 
 
 @pytest.fixture
