@@ -212,8 +212,8 @@ def test_the_load_test_counts_every_request(served):
 def test_the_command_serves_and_stops_on_a_signal(export_dir, tmp_path, signum):
   cmd = [sys.executable, "-m", "jaxvla.serve", f"--policy={export_dir}", "--port=0",
          "--host=127.0.0.1", "--obs_map=jaxvla", "--serve.warmup=False"]
-  # Its log goes to a file: a pipe that nobody reads fills at 64 KiB, and the server's next
-  # log line (its "stopping" on Ctrl-C) then blocks it for good.
+  # Its log goes to a file, shown if the test fails (a pipe that nobody reads would block
+  # the server once 64 KiB of log waited in it).
   log_path = tmp_path / "serve.log"
   with open(log_path, "w") as log:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -241,6 +241,7 @@ def test_the_command_serves_and_stops_on_a_signal(export_dir, tmp_path, signum):
       proc.wait()
 
 
+# ------------------------------------------------------------- without a server --
 def _map(name: str, spec: protocol.EnvSpec = SPEC) -> obs_map_lib.ObsMap:
   return obs_map_lib.ObsMap(serve_configs.obs_map(name), spec, default_prompt="")
 

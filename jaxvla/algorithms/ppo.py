@@ -231,7 +231,7 @@ def step_scale(step_scale_name: str, metrics: dict) -> jax.Array:
     return jnp.ones((), jnp.float32)
   if step_scale_name == "staleness":
     lag = jnp.asarray(metrics["lag"], jnp.float32)
-    return jnp.minimum(1.0, FULL_STEP_STALENESS / jnp.maximum(lag, FULL_STEP_STALENESS))
+    return FULL_STEP_STALENESS / jnp.maximum(lag, FULL_STEP_STALENESS)
   return jax.lax.stop_gradient(ess_fraction(metrics["is_weight"], metrics["is_weight_sq"]))
 
 
