@@ -15,11 +15,10 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from jaxvla import checkpoint, distributed, runtime_env, train, workdir as workdir_lib
-
-# Errors whose message says all a user needs (the step, file or holder): one line on
-# stderr and exit status 1, without a traceback.
-_ONE_LINE_ERRORS = (checkpoint.CheckpointError, workdir_lib.WorkdirInUse, FileNotFoundError)
+# Only light modules here: flags and configs are parsed (and a typo reported) before the
+# training stack (flax, orbax, the data and env libraries: seconds) is imported, and a
+# direct start re-executes under launch/env.sh (runtime_env.ensure) before it is, too.
+from jaxvla import runtime_env, workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Config file (optionally ':variant').", lock_config=True)
@@ -33,6 +32,10 @@ def main(argv):
   # Started without launch/run.sh: the simulators' environment (launch/env.sh) is applied
   # by re-executing this command with it, before any simulator or backend loads.
   runtime_env.ensure()
+  from jaxvla import checkpoint, distributed, train  # pylint: disable=import-outside-toplevel
+  # Errors whose message says all a user needs (the step, file or holder): one line on
+  # stderr and exit status 1, without a traceback.
+  one_line_errors = (checkpoint.CheckpointError, workdir_lib.WorkdirInUse, FileNotFoundError)
   # Library INFO chatter (orbax, jax) off; jaxvla's own INFO lines stay.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("jaxvla").setLevel(logging.INFO)
@@ -47,7 +50,7 @@ def main(argv):
     logging.getLogger("jaxvla").info("workdir: %s", workdir)
   try:
     summary = train.train_and_evaluate(_CONFIG.value, workdir)
-  except _ONE_LINE_ERRORS as e:
+  except one_line_errors as e:
     sys.stderr.write(f"error: {e}\n")
     sys.exit(1)
   sys.stdout.write(json.dumps(summary) + "\n")
