@@ -25,15 +25,16 @@ def test_async_learning_matches_sync(tmp_path):
   """Learning parity at the same env-step budget and the default step size.
 
   One warm start (BC, then checkpoint 0 of a run with no RL budget), resumed into
-  three pipelines: ``sync_colocated``, and ``async`` (rollout thread || learner,
-  decoupled PPO) with ``max_staleness`` 1 and 4, as ``jaxvla.bench.parity`` runs
-  them with ``--levels=l1`` (lockstep envs: the runs are deterministic). Resuming
-  checkpoint 0 starts RL exactly as the run that wrote it would have: same params,
-  optimizer state, keys and env seeds. Sync must reach 0.6 success; each pipeline
-  must learn (+0.2 over the warm start) and the async ones end within 0.12 of sync's
-  success (256 evaluation episodes give a binomial std of about 0.03 per run at these
-  rates; the rest of the margin is RL's own seed noise, docs/pipeline.md "Learning
-  parity"). The async runs must really be off-policy: their mean staleness is checked.
+  ``sync_colocated`` and into ``async`` (rollout thread || learner, decoupled PPO) with
+  ``max_staleness=4``, as ``jaxvla.bench.parity`` runs them with ``--levels=l1``
+  (lockstep envs). Resuming checkpoint 0 starts RL exactly as the run that wrote it
+  would have: same params, optimizer state, keys and env seeds. Sync must reach 0.6
+  success; both must learn (+0.2 over the warm start) and async must end within 0.08
+  of sync's success. 256 evaluation episodes give a binomial std of about 0.03 per run
+  at these rates; this run has ended 0.004 to 0.019 below sync since the behaviour clip
+  (0.058 before it; docs/pipeline.md "L1 and the test"). The async run must really be
+  off-policy at the bound: its mean staleness is checked. Staleness 4 is the hardest
+  setting the bar of docs/pipeline.md holds async to; its five-seed tables cover 1 and 2.
   """
   from configs import default  # pylint: disable=import-outside-toplevel
   base = default.get_config("parity")
@@ -42,25 +43,22 @@ def test_async_learning_matches_sync(tmp_path):
   c.total_env_steps = 0
   train.train_and_evaluate(c, warm_dir)
   results = {}
-  for name, pipeline in (("sync", parity.SYNC), ("async_k1", "k1"), ("async_k4", "k4")):
+  for name, pipeline in (("sync", parity.SYNC), ("async_k4", "k4")):
     c = parity.run_config(base, base.seed, pipeline, "l1")
     c.resume = True
     shutil.copytree(warm_dir, tmp_path / name)
     results[name] = train.train_and_evaluate(c, str(tmp_path / name))
   print({n: {k: r[k] for k in ("success_rate", "warm_start_success_rate", "staleness_mean",
                                "env_steps", "dropped_env_steps")} for n, r in results.items()})
-  sync = results["sync"]
+  sync, r = results["sync"], results["async_k4"]
   warm = sync["warm_start_success_rate"]
   assert sync["success_rate"] >= warm + 0.2 and sync["success_rate"] >= 0.6
-  for name in ("async_k1", "async_k4"):
-    r = results[name]
-    assert r["warm_start_success_rate"] == warm, "the warm starts differ: not a paired test"
-    assert r["env_steps"] >= sync["env_steps"] * 0.95, f"{name}: smaller env-step budget"
-    assert r["success_rate"] >= warm + 0.2, f"{name} did not learn: {r['success_rate']}"
-    assert abs(r["success_rate"] - sync["success_rate"]) <= 0.12, (
-        f"{name}: success {r['success_rate']:.3f} vs sync {sync['success_rate']:.3f}")
-  assert results["async_k1"]["staleness_mean"] > 0.2
-  assert results["async_k4"]["staleness_mean"] > results["async_k1"]["staleness_mean"]
+  assert r["warm_start_success_rate"] == warm, "the warm starts differ: not a paired test"
+  assert r["env_steps"] >= sync["env_steps"] * 0.95, "async_k4: smaller env-step budget"
+  assert r["success_rate"] >= warm + 0.2, f"async_k4 did not learn: {r['success_rate']}"
+  assert abs(r["success_rate"] - sync["success_rate"]) <= 0.08, (
+      f"async_k4: success {r['success_rate']:.3f} vs sync {sync['success_rate']:.3f}")
+  assert r["staleness_mean"] > 3.5, r["staleness_mean"]  # (3.88 measured; bound 4)
 
 
 @pytest.mark.long

@@ -1,7 +1,7 @@
 """``jaxvla.eval`` on the real LIBERO (CPU): the suite protocol end to end.
 
-A tiny random policy is evaluated on two libero_spatial tasks, two episodes each, in
-two worker processes. Checked: the suites' task lists come from LIBERO's benchmark;
+A tiny random policy is evaluated on two libero_spatial tasks, one episode each, in
+an env worker process. Checked: the suites' task lists come from LIBERO's benchmark;
 episode ``e`` of a task starts from the suite's init state ``e``; a failed episode
 runs the suite's full step limit (220 for libero_spatial) after the settle steps; the
 table names LIBERO's instruction per task; a video is written; the policy's sizes are
@@ -53,16 +53,21 @@ def test_two_spatial_tasks_end_to_end(tmp_path):
   policy_io.write_spec(export, spec)
 
   tasks = ["libero_spatial/0", "libero_spatial/1"]
-  results = eval_lib.run(export, str(tmp_path / "eval"), tasks=tasks, episodes_per_task=2,
-                         num_envs=2, env_workers=2, videos_per_task=1, progress=False)
+  # One episode per task in one worker process: a LIBERO step on the CPU costs ~0.2 s,
+  # nearly all of it MuJoCo's software rendering of the two cameras. Several episodes
+  # per task over several envs, and the video limit, are tests/test_eval.py's (built-in
+  # env); LIBERO's init state per episode is test_episode_e_starts_from_init_state_e's.
+  results = eval_lib.run(export, str(tmp_path / "eval"), tasks=tasks, episodes_per_task=1,
+                         num_envs=1, env_workers=1, videos_per_task=1, progress=False)
   assert [r["task"] for r in results["tasks"]] == tasks
   from libero.libero import benchmark
   suite = benchmark.get_benchmark_dict()["libero_spatial"]()
   for i, row in enumerate(results["tasks"]):
     assert row["instruction"] == suite.get_task(i).language
-    assert row["episodes"] == 2
+    assert row["episodes"] == 1
   with open(tmp_path / "eval" / eval_lib.EPISODES_FILE) as f:
     episodes = [json.loads(l) for l in f]
+  assert len(episodes) == len(tasks)
   for e in episodes:  # The suite's limit, settle steps not counted.
     assert e["length"] == 220 if not e["success"] else e["length"] <= 220, e
   assert sorted(os.listdir(tmp_path / "eval" / "videos")) == [
