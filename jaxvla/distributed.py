@@ -147,7 +147,18 @@ def device_put(tree: Any, shardings: Any) -> Any:
   through the host (``jax.make_array_from_callback``), since handing a committed
   single-device array to a sharding that spans processes does not build a
   valid global array. Global arrays are resharded by ``jax.device_put``.
+
+  A tree whose every leaf is already an array on its sharding is returned as it is:
+  ``jax.device_put`` costs about 0.1 ms per leaf even when it moves nothing (18 ms for
+  the tiny pi0's BC state, a quarter of its BC step on the CPU), and the learner places
+  its state before every step.
   """
+  leaves = jax.tree.leaves(tree)
+  targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+  if len(leaves) == len(targets) and all(
+      isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
+      for x, s in zip(leaves, targets)):
+    return tree
   if not multi_process():
     return jax.device_put(tree, shardings)
 
