@@ -124,9 +124,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # to hurry: 1.0 -> 0.445 success).
   c.ppo.bootstrap_truncated = False  # Bootstrap truncations from their final obs's value.
   c.ppo.clip_eps = 0.2  # PPO ratio clip.
-  # 'mean': the geometric mean over the chunk's log-prob terms, GSPO-style (flow
-  # policies: denoise steps x actions x dims; approx_kl and target_kl are then per term).
-  c.ppo.ratio = "joint"  # The chunk's importance ratio: 'joint' (its probability) or 'mean'.
+  # 'per_term_correction': PPO's ratio and clip over the chunk, the decoupled correction
+  # (importance weight, behaviour clip) per action dim of the chunk (H x A terms): on
+  # fresh data the 'joint' ratio's PPO; full async at staleness 4 ended 0.026 below sync
+  # over five ColorReach seeds, where 'joint' (one weight for the chunk's K x H x A
+  # transitions) lost 0.06-0.12 (docs/pipeline.md). 'per_term': ratio and clip per term
+  # too (token-level PPO); 'mean': the geometric mean over the terms, GSPO-style.
+  c.ppo.ratio = "per_term_correction"  # 'per_term_correction', 'joint', 'per_term' or 'mean'.
   c.ppo.value_coef = 0.5  # Weight of the value loss.
   c.ppo.entropy_coef = 0.0  # Weight of the sampler-entropy bonus (matters for flow_noise).
   c.ppo.num_epochs = 2  # Passes over each rollout.

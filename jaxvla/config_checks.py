@@ -150,7 +150,7 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
            f"must be one of {ppo.CORRECTIONS}, got {c.ppo.correction!r}")
   _require(c.ppo.correction != "truncated_is" or c.ppo.is_clip > 0, "ppo.is_clip",
            "truncated_is needs is_clip > 0")
-  ppo.log_prob_scale(c.ppo.ratio, 1)  # (the owner of the ppo.ratio check; raises naming it)
+  ppo.check_ratio(c.ppo.ratio)  # (the owner of the ppo.ratio check; raises naming it)
   ppo.step_scale(c.ppo.step_scale, dict(is_weight=1.0, is_weight_sq=1.0, lag=0.0))  # (likewise)
   ppo.check_behaviour_clip(c.ppo.behaviour_clip)  # (likewise)
   _require(0.0 <= c.ppo.adam_b1 < 1.0, "ppo.adam_b1", f"must be in [0, 1), got {c.ppo.adam_b1}")

@@ -38,6 +38,8 @@ class Trajectory:
     batch: policy inputs (``Policy.prepare``) of each step, arrays ``[T, B, ...]``.
     chain: ``[T, B, K + 1, H, A]`` stored sampler chains.
     log_prob: ``[T, B]`` behaviour log-probabilities of the chains.
+    log_prob_dims: ``[T, B, H, A_net]`` the same per action dimension (summed over the
+      sampler's steps; 0 on padded dims), what a per-term ratio (``ppo.ratio``) needs.
     value: ``[T, B]`` behaviour values.
     reward: ``[T, B]`` chunk rewards.
     done: ``[T, B]`` episode ended in the step (terminated or truncated): GAE's
@@ -55,6 +57,7 @@ class Trajectory:
   batch: dict
   chain: np.ndarray
   log_prob: np.ndarray
+  log_prob_dims: np.ndarray
   value: np.ndarray
   reward: np.ndarray
   done: np.ndarray
@@ -67,8 +70,8 @@ class Trajectory:
   @classmethod
   def env_axes(cls) -> "Trajectory":
     """The env axis of every field (a tree prefix of any ``Trajectory``)."""
-    return cls(batch=1, chain=1, log_prob=1, value=1, reward=1, done=1, terminated=1,
-               final_value=1, steps=1, bootstrap_value=0, policy_version=1)
+    return cls(batch=1, chain=1, log_prob=1, log_prob_dims=1, value=1, reward=1, done=1,
+               terminated=1, final_value=1, steps=1, bootstrap_value=0, policy_version=1)
 
   @property
   def num_env_steps(self) -> int:
@@ -88,6 +91,7 @@ class EpisodeBatch:
     batch: policy inputs (``Policy.prepare``) of each chunk, arrays ``[K, E, ...]``.
     chain: ``[K, E, ...]`` stored sampler chains.
     log_prob: ``[K, E]`` behaviour log-probabilities (0 on padding).
+    log_prob_dims: ``[K, E, H, A_net]`` the same per action dimension (0 on padding).
     mask: ``bool [K, E]`` the chunk was played (False: padding).
     advantage: ``float32 [E]`` group-normalised advantage of each episode (0 for
       an episode lost to a worker restart, which its group's statistics leave out).
@@ -101,6 +105,7 @@ class EpisodeBatch:
   batch: dict
   chain: np.ndarray
   log_prob: np.ndarray
+  log_prob_dims: np.ndarray
   mask: np.ndarray
   advantage: np.ndarray
   episode_return: np.ndarray
@@ -112,8 +117,8 @@ class EpisodeBatch:
   @classmethod
   def env_axes(cls) -> "EpisodeBatch":
     """The episode axis of every field (a tree prefix of any ``EpisodeBatch``)."""
-    return cls(batch=1, chain=1, log_prob=1, mask=1, advantage=0, episode_return=0, group=0,
-               episode=0, policy_version=1, steps=1)
+    return cls(batch=1, chain=1, log_prob=1, log_prob_dims=1, mask=1, advantage=0,
+               episode_return=0, group=0, episode=0, policy_version=1, steps=1)
 
   @property
   def num_episodes(self) -> int:

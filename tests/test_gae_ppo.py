@@ -282,7 +282,8 @@ def test_learner_value_targets_and_staleness_diagnostics(value_targets):
   done = rng.random((t_len, b)) < 0.3
   traj = types.Trajectory(
       batch=dict(i=np.arange(t_len * b).reshape(t_len, b)), chain=np.zeros((t_len, b, 1)),
-      log_prob=f32(t_len, b), value=f32(t_len, b), reward=f32(t_len, b), done=done,
+      log_prob=f32(t_len, b), log_prob_dims=np.zeros((t_len, b, 1, 1), np.float32),
+      value=f32(t_len, b), reward=f32(t_len, b), done=done,
       terminated=done, final_value=np.zeros((t_len, b), np.float32),
       steps=np.ones((t_len, b), np.int32), bootstrap_value=f32(b),
       # Columns 0-2 acted with version 7 (the learner's: fresh), 3-5 with 5 (stale).
@@ -342,7 +343,8 @@ class _OneStep:
     zeros = np.zeros((t_len, b), bool)
     traj = types.Trajectory(
         batch=dict(i=np.arange(t_len * b).reshape(t_len, b)), chain=np.zeros((t_len, b, 1)),
-        log_prob=behaviour_log_prob, value=self.value, reward=self.reward, done=zeros,
+        log_prob=behaviour_log_prob, log_prob_dims=behaviour_log_prob[..., None, None],
+        value=self.value, reward=self.reward, done=zeros,
         terminated=zeros, final_value=np.zeros((t_len, b), np.float32),
         steps=np.ones((t_len, b), np.int32), bootstrap_value=self.bootstrap,
         policy_version=(np.zeros((t_len, b), np.int32) if policy_version is None
@@ -414,7 +416,8 @@ def test_fresh_data_skips_the_proximal_pass_and_is_the_same_update():
   zeros = np.zeros((t_len, b), bool)
   traj = jax.tree.map(jnp.asarray, types.Trajectory(
       batch=dict(i=np.arange(t_len * b).reshape(t_len, b)), chain=np.zeros((t_len, b, 1)),
-      log_prob=np.asarray(params["lp"]).reshape(t_len, b), value=f32(t_len, b),
+      log_prob=np.asarray(params["lp"]).reshape(t_len, b),
+      log_prob_dims=np.asarray(params["lp"]).reshape(t_len, b, 1, 1), value=f32(t_len, b),
       reward=f32(t_len, b), done=zeros, terminated=zeros,
       final_value=np.zeros((t_len, b), np.float32), steps=np.ones((t_len, b), np.int32),
       bootstrap_value=f32(b), policy_version=np.zeros((t_len, b), np.int32)))
@@ -433,3 +436,42 @@ def test_fresh_data_skips_the_proximal_pass_and_is_the_same_update():
     np.testing.assert_allclose(new[k], ref[k], rtol=1e-5, atol=1e-6)
   assert float(ref_metrics["clip_frac"]) > 0  # The clip acted: the proximal ones matter.
   assert "kl_behaviour_proximal" in ref_metrics and "kl_behaviour_proximal" not in metrics
+
+
+def test_per_term_rows_and_their_fresh_gradient_equal_the_joint_ones(smoke_config):
+  """The per-term ratios with the tiny pi0 (network actions padded past the env's):
+  the rows hold the executed dims' behaviour log-probs ``[N, H * A]`` (summing to the
+  chunk's), and on fresh data the learner's gradient is the joint ratio's."""
+  import trajectories  # pylint: disable=import-outside-toplevel
+  from jaxvla.envs import builtin  # pylint: disable=import-outside-toplevel
+  from jaxvla.learner import learner as learner_lib  # pylint: disable=import-outside-toplevel
+  from jaxvla.models import policy as policy_lib  # pylint: disable=import-outside-toplevel
+  smoke_config.model.num_denoise_steps = 2  # (compile time; the chain is not the point)
+  smoke_config.model.action_dim = 4  # Two padded dims, which the terms leave out.
+  env = builtin.make(smoke_config.env, 4, 0)
+  pol = policy_lib.make_policy(smoke_config.model, env.spec)
+  params = pol.init(jax.random.PRNGKey(0))
+  traj = trajectories.sampled(pol, env, params)
+  grads = {}
+  for ratio in ("joint", "per_term", "per_term_correction"):
+    smoke_config.ppo.ratio = ratio
+    rows = objectives.PPOObjective(pol, smoke_config.ppo).rows(traj)
+    lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+    grads[ratio], metrics = lrn.micro_grads(params, traj, traj.num_rows)
+    assert np.isfinite(float(metrics["loss"]))
+  n = traj.num_rows
+  assert rows["log_prob"].shape == (n, pol.chunk_len * env.spec.action_dim)
+  np.testing.assert_allclose(rows["log_prob"].sum(-1), traj.log_prob.reshape(-1), rtol=1e-5,
+                             atol=1e-4)
+  for ratio in ("per_term", "per_term_correction"):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5),
+                 grads[ratio], grads["joint"])
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads["joint"])) > 1e-3
+  # A whole update of two minibatches: the proximal pass's per-term log-probs line up
+  # with the rows (the second minibatch's ratio is off 1, the first's weights are 1).
+  smoke_config.ppo.update(num_epochs=1, num_minibatches=2)
+  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  state = learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(1))
+  _, metrics = lrn.update(state, traj)
+  assert metrics["nonfinite"] == 0 and float(metrics["approx_kl"]) > 0
+  np.testing.assert_allclose(float(metrics["is_weight"]), 1.0, atol=1e-3)

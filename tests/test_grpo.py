@@ -13,6 +13,7 @@ from configs import default
 from jaxvla import types
 from jaxvla.envs import builtin, protocol
 from jaxvla.learner import learner as learner_lib
+from jaxvla.learner import objectives
 from jaxvla.models import contract
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import episodes as episodes_lib
@@ -244,9 +245,11 @@ class _LinearGaussian:
   """A cheap stand-in policy for the streamed-vs-update checks (they do not depend on
   the network): executed actions ``~ N(tanh(state W), exp(log_std)^2)``."""
 
-  def __init__(self, state_dim, action_size):
-    self.state_dim, self.action_size = state_dim, action_size
-    self.log_prob_terms = action_size
+  def __init__(self, state_dim, chunk_shape):
+    self.state_dim, self.chunk_shape = state_dim, tuple(chunk_shape)  # (H, A)
+    self.action_size = int(np.prod(chunk_shape))
+    self.action_dim = self.chunk_shape[1]
+    self.log_prob_terms = self.action_size
     self.rl_heads_only = False  # (the policy contract: RL trains every parameter)
 
   def init(self, rng=None):
@@ -266,22 +269,26 @@ class _LinearGaussian:
     std = jnp.exp(params["log_std"])
     logp = jax.scipy.stats.norm.logpdf(x, mean, std)
     entropy = jnp.sum(params["log_std"] + 0.5 * jnp.log(2 * jnp.pi * jnp.e)) * jnp.ones(len(x))
-    return contract.Evaluation(log_prob=logp.sum(-1), log_prob_dims=logp,
-                                 value=jnp.zeros(len(x)), entropy=entropy)
+    return contract.Evaluation(log_prob=logp.sum(-1),
+                               log_prob_dims=logp.reshape((len(x),) + self.chunk_shape),
+                               value=jnp.zeros(len(x)), entropy=entropy)
 
 
 def _near_policy(pol, params, eb, seed):
-  """``eb`` with behaviour log-probs near ``pol``'s at ``params`` (ratios off 1, finite)."""
+  """``eb`` with behaviour log-probs near ``pol``'s at ``params`` (ratios off 1, finite),
+  per dimension and per chunk (their sum)."""
   k, e = eb.log_prob.shape
   flat = lambda x: x.reshape((k * e,) + x.shape[2:])
-  logp = pol.evaluate(params, jax.tree.map(flat, eb.batch), flat(eb.chain)).log_prob
-  noise = 0.2 * np.random.default_rng(seed).normal(size=(k, e))
-  return eb.replace(log_prob=np.where(eb.mask, np.asarray(logp).reshape(k, e) + noise, 0.0)
-                    .astype(np.float32))
+  dims = np.asarray(pol.evaluate(params, jax.tree.map(flat, eb.batch),
+                                 flat(eb.chain)).log_prob_dims).reshape(eb.log_prob_dims.shape)
+  dims = dims + 0.1 * np.random.default_rng(seed).normal(size=dims.shape)
+  dims = np.where(eb.mask[..., None, None], dims, 0.0).astype(np.float32)
+  return eb.replace(log_prob_dims=dims, log_prob=dims.sum((2, 3)))
 
 
-@pytest.mark.parametrize("normalizer", ["trajectory", "constant"])
-def test_streamed_grpo_equals_the_update(monkeypatch, normalizer):
+@pytest.mark.parametrize("normalizer,ratio", [("trajectory", "joint"), ("constant", "per_term"),
+                                              ("trajectory", "per_term_correction")])
+def test_streamed_grpo_equals_the_update(monkeypatch, normalizer, ratio):
   """Micro-batch gradients (one group each), accumulated and applied once, equal
   one single-minibatch GRPO update of the concatenated groups.
 
@@ -293,16 +300,19 @@ def test_streamed_grpo_equals_the_update(monkeypatch, normalizer):
       optax.clip_by_global_norm(clip), optax.adam(lr, b1=b1, eps=1e-3)))
   _, _, _, items, _ = _collect()
   eb0 = items[0].data
-  pol = _LinearGaussian(eb0.batch["state"].shape[-1], int(np.prod(eb0.chain.shape[-2:])))
+  pol = _LinearGaussian(eb0.batch["state"].shape[-1], eb0.chain.shape[-2:])
   params = pol.init()
   groups = [_near_policy(pol, params, it.data, seed) for seed, it in enumerate(items[:2])]
   c = _config(num_epochs=1, num_minibatches=1, loss_normalizer=normalizer,
-              correction="decoupled", learning_rate=1e-2)
+              correction="decoupled", learning_rate=1e-2, ratio=ratio)
   lrn = learner_lib.Learner(pol, c.bc, c.ppo)
   copy = lambda t: jax.tree.map(np.array, jax.device_get(t))
   state0 = copy(learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(2)))
   eb = types.concat(groups)
   assert np.abs(eb.advantage).max() > 0.5  # (Else there would be no gradient.)
+  if ratio != "joint":  # Rows of the executed dims' log-probs: [E, K, H * A].
+    rows = objectives.GRPOObjective(pol, c.ppo).rows(eb)
+    assert rows["log_prob"].shape == eb.log_prob.T.shape + (pol.action_size,)
   ref_state, ref_metrics = lrn.update(jax.device_put(state0), eb)
   state = jax.device_put(state0)
   acc = None

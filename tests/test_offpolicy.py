@@ -167,6 +167,122 @@ def test_decoupled_on_proximal_data_is_plain_ppo():
     np.testing.assert_allclose(g, ref, rtol=1e-6)
 
 
+def per_term_inputs(n, m, seed):
+  """``make_inputs`` with ``[n, m]`` log-probs (the chunk's terms) and ``[n]`` the rest."""
+  d = make_inputs(n * m, seed)
+  for k in ("new", "old", "prox"):
+    d[k] = d[k].reshape(n, m)
+  d.update({k: v for k, v in make_inputs(n, seed + 1).items() if k not in ("new", "old", "prox")})
+  return d
+
+
+@pytest.mark.parametrize("correction,is_clip,behaviour_clip", CASES)
+def test_per_term_ratios_match_numpy(correction, is_clip, behaviour_clip):
+  """``[N, M]`` log-probs: every term is a chunk of the NumPy reference with its chunk's
+  advantage; the policy loss and KL are sums over a chunk's terms, the fractions and
+  the mean weight means over them (the terms' weights ``w / M``)."""
+  n, m = 24, 5
+  d = per_term_inputs(n, m, seed=8)
+  loss, metrics, (g_new, _, _) = jax_ppo(d, correction, is_clip, behaviour_clip)
+  per_term = ("new", "old", "prox")
+  flat = {k: d[k].reshape(-1) if k in per_term else np.repeat(d[k], m) for k in d}
+  _, summed, grad = numpy_ppo(flat, correction, is_clip, behaviour_clip)
+  _, averaged, _ = numpy_ppo(dict(flat, w=flat["w"] / m), correction, is_clip, behaviour_clip)
+  for k in ("policy_loss", "approx_kl"):
+    np.testing.assert_allclose(metrics[k], summed[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  for k in ("clip_frac", "is_weight", "is_truncated_frac", "behaviour_clip_frac"):
+    np.testing.assert_allclose(metrics[k], averaged[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  value_loss = 0.5 * np.sum(d["w"] * (d["val"] - d["ret"]) ** 2)  # Per chunk, as before.
+  np.testing.assert_allclose(metrics["value_loss"], value_loss, rtol=1e-5)
+  np.testing.assert_allclose(metrics["entropy"], np.sum(d["w"] * d["ent"]), rtol=1e-5)
+  np.testing.assert_allclose(
+      loss, summed["policy_loss"] + VALUE_COEF * value_loss
+      - ENTROPY_COEF * np.sum(d["w"] * d["ent"]), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(g_new, grad.reshape(n, m), rtol=1e-5, atol=1e-7)
+  if behaviour_clip > 0:  # Some terms of a chunk held and others not.
+    assert 0 < averaged["behaviour_clip_frac"] < 1
+
+
+def numpy_term_corrected(d, is_clip, behaviour_clip):
+  """Reference of ``ppo.ratio='per_term_correction'``: the chunk's ratio and clip, the
+  decoupled weights and behaviour clip per term. Metrics and d loss / d new ``[n, m]``."""
+  new, old, prox, adv, w = d["new"], d["old"], d["prox"], d["adv"], d["w"]
+  r = np.exp((new - prox).sum(-1))
+  unclipped, clipped = r * adv, np.clip(r, 1 - CLIP_EPS, 1 + CLIP_EPS) * adv
+  raw = np.exp(prox - old)
+  wt = np.minimum(raw, is_clip) if is_clip > 0 else raw
+  truncated = raw > is_clip if is_clip > 0 else np.zeros_like(raw, bool)
+  held = np.zeros_like(new, bool)
+  if behaviour_clip > 0:
+    moved, a = new - old, adv[:, None]
+    held = ((moved > np.log(behaviour_clip)) & (a > 0)) | (
+        (moved < -np.log(behaviour_clip)) & (a < 0))
+  grad = -w[:, None] * wt * np.where(unclipped <= clipped, unclipped, 0.0)[:, None] * ~held
+  metrics = dict(
+      policy_loss=np.sum(w * -wt.mean(-1) * np.minimum(unclipped, clipped)),
+      approx_kl=np.sum(w * (r - 1 - np.log(r))), clip_frac=np.sum(w * (np.abs(r - 1) > CLIP_EPS)),
+      is_weight=np.sum(w * wt.mean(-1)), is_truncated_frac=np.sum(w * truncated.mean(-1)),
+      behaviour_clip_frac=np.sum(w * held.mean(-1)))
+  return metrics, grad
+
+
+@pytest.mark.parametrize("is_clip,behaviour_clip", [(0.0, 0.0), (1.3, 0.0), (1.3, 1.5)])
+def test_per_term_correction_matches_numpy(is_clip, behaviour_clip):
+  d = per_term_inputs(32, 4, seed=11)
+  d["new"] = d["prox"] + 0.05 * np.random.default_rng(12).normal(size=d["prox"].shape)
+  f32 = lambda k: jnp.asarray(d[k], jnp.float32)
+  loss_fn = lambda new: ppo.ppo_loss(
+      new, f32("old"), f32("adv"), f32("val"), f32("ret"), f32("ent"), clip_eps=CLIP_EPS,
+      value_coef=VALUE_COEF, entropy_coef=ENTROPY_COEF, weights=f32("w"),
+      correction="decoupled", proximal_log_prob=f32("prox"), is_clip=is_clip,
+      behaviour_clip=behaviour_clip, term_ratio=False)
+  (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(f32("new"))
+  ref, ref_grad = numpy_term_corrected(d, is_clip, behaviour_clip)
+  for k, v in ref.items():
+    np.testing.assert_allclose(metrics[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(
+      loss, ref["policy_loss"] + VALUE_COEF * 0.5 * np.sum(d["w"] * (d["val"] - d["ret"]) ** 2)
+      - ENTROPY_COEF * np.sum(d["w"] * d["ent"]), rtol=1e-5, atol=1e-6)
+  assert 0 < ref["clip_frac"] < 1  # Some chunks clipped (the chunk's ratio), some not.
+  if is_clip > 0:
+    assert 0 < ref["is_truncated_frac"] < 1
+  if behaviour_clip > 0:
+    assert 0 < ref["behaviour_clip_frac"] < 1
+  with pytest.raises(ValueError, match="correction 'none'"):
+    ppo.ppo_loss(f32("new"), f32("old"), f32("adv"), f32("val"), f32("ret"), f32("ent"),
+                 clip_eps=CLIP_EPS, value_coef=0.0, entropy_coef=0.0, correction="none",
+                 term_ratio=False)
+
+
+@pytest.mark.parametrize("correction,term_ratio", [("none", True), ("decoupled", True),
+                                                   ("decoupled", False)])
+def test_per_term_on_fresh_data_has_the_joint_gradient(correction, term_ratio):
+  """Behaviour = proximal = current params: the per-term loss's gradient with respect to
+  what the terms depend on is the joint ratio's (the sum of the terms' gradients), for
+  both per-term ratios (``term_ratio``: 'per_term'; without: 'per_term_correction')."""
+  rng = np.random.default_rng(10)
+  n, m = 16, 6
+  old = jnp.asarray(rng.normal(size=(n, m)), jnp.float32)
+  adv = jnp.asarray(rng.normal(size=n), jnp.float32)
+  zeros = jnp.zeros(n)
+  kw = dict(clip_eps=CLIP_EPS, value_coef=0.0, entropy_coef=0.0, correction=correction,
+            is_clip=2.0 if correction == "decoupled" else 0.0,
+            behaviour_clip=2.0 if correction == "decoupled" else 0.0)
+  per_term = lambda t: ppo.ppo_loss(t, old, adv, zeros, zeros, zeros,
+                                    proximal_log_prob=old, term_ratio=term_ratio, **kw)[0]
+  joint = lambda t: ppo.ppo_loss(t.sum(-1), old.sum(-1), adv, zeros, zeros, zeros,
+                                 proximal_log_prob=old.sum(-1), **kw)[0]
+  # (The values differ: each of a chunk's M terms adds its ratio, 1 here, times A.)
+  np.testing.assert_allclose(jax.grad(per_term)(old), jax.grad(joint)(old), rtol=1e-6)
+  if not term_ratio:  # And at a later step of the update (ratios off 1, some clipped).
+    moved = old + 0.1 * jnp.asarray(rng.normal(size=(n, m)), jnp.float32)
+    np.testing.assert_allclose(jax.grad(per_term)(moved), jax.grad(joint)(moved), rtol=1e-6)
+  with pytest.raises(ValueError, match=r"behaviour \(4,\) and current \(4, 2\)"):
+    ppo.ppo_loss(jnp.zeros((4, 2)), jnp.zeros(4), jnp.zeros(4), jnp.zeros(4), jnp.zeros(4),
+                 jnp.zeros(4), **kw, proximal_log_prob=jnp.zeros((4, 2)))
+
+
 def test_bad_arguments_are_named():
   x = jnp.zeros(4)
   loss = functools.partial(ppo.ppo_loss, x, x, x, x, x, x, clip_eps=0.2, value_coef=0.5,
@@ -181,6 +297,8 @@ def test_bad_arguments_are_named():
     loss(correction="decoupled", proximal_log_prob=x, behaviour_clip=0.5)
   with pytest.raises(ValueError, match="'bogus'.*chunks"):
     grpo.chunk_weights(np.ones((2, 3), bool), "bogus")
+  with pytest.raises(ValueError, match="config.ppo.ratio must be one of"):
+    ppo.check_ratio("tokens")
 
 
 def test_loss_kwargs_read_the_ppo_config():

@@ -194,6 +194,7 @@ def _reference_collect(env, pol, act, value, params, num_steps, rng, policy_vers
   return types.Trajectory(
       batch=jax.tree.map(lambda *xs: np.stack(xs), *steps),
       chain=stack([o.chain for o in outs]), log_prob=stack([o.log_prob for o in outs]),
+      log_prob_dims=stack([o.log_prob_dims for o in outs]),
       value=stack([o.value for o in outs]), reward=stack([r.reward for r in results]),
       done=stack([r.done for r in results]), terminated=stack([r.terminated for r in results]),
       final_value=stack(finals).astype(np.float32), steps=stack([r.steps for r in results]),
@@ -218,8 +219,8 @@ def test_lockstep_segments_equal_a_plain_loop():
   want = _reference_collect(builtin.make(c.env, c.num_envs, 0), pol, act, value, params,
                             c.rollout_len, jax.random.PRNGKey(5), policy_version=7, seed=3)
   assert want.final_value.any()  # Episodes were cut by the time limit: their values came.
-  for name in ("chain", "log_prob", "value", "reward", "done", "terminated", "final_value",
-               "steps", "bootstrap_value", "policy_version"):
+  for name in ("chain", "log_prob", "log_prob_dims", "value", "reward", "done", "terminated",
+               "final_value", "steps", "bootstrap_value", "policy_version"):
     np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-6,
                                err_msg=name)
   jax.tree.map(np.testing.assert_array_equal, got.batch, want.batch)

@@ -35,20 +35,43 @@ CORRECTIONS = ("none", "decoupled", "truncated_is")
 # the whole chunk (for flow policies, of the whole denoise chain: a product of
 # K x H x A Gaussian transitions); "mean", the geometric mean of its per-term ratios
 # (GSPO's length-normalised sequence ratio), so that the clip bounds the average
-# change per transition rather than the product of all of them.
-RATIOS = ("joint", "mean")
+# change per transition rather than the product of all of them; "per_term", a ratio,
+# an importance weight, PPO's clip and the behaviour clip for each action dimension
+# of the chunk (H x A terms, each over the sampler's steps), summed over the terms, as
+# token-level PPO treats the tokens of a sequence that share one advantage;
+# "per_term_correction", PPO's ratio and clip over the whole chunk (the trust region
+# around the proximal policy, as "joint") and the decoupled correction per term: each
+# term's gradient weighted by its own behaviour -> proximal weight, and the behaviour
+# clip holding only the terms that ran ahead (with another correction, "joint"). On fresh data both per-term variants
+# have the joint ratio's gradient (the sum of the terms' log-prob gradients); on
+# stale data a term's weight spreads as one term's drift, not as the product of all.
+RATIOS = ("joint", "mean", "per_term", "per_term_correction")
+
+
+def check_ratio(ratio: str) -> None:
+  """Raises ValueError naming ``config.ppo.ratio`` if it is not one of :data:`RATIOS`."""
+  if ratio not in RATIOS:
+    raise ValueError(f"config.ppo.ratio must be one of {RATIOS}, got {ratio!r}")
+
+
+def uses_terms(config: ml_collections.ConfigDict) -> bool:
+  """Whether the loss takes per-term log-probs ``[N, M]`` under the ``ppo`` config:
+  ``ratio='per_term'``, or ``'per_term_correction'`` with the decoupled correction
+  (with another correction there is no behaviour weight to take per term, and it is
+  the joint ratio)."""
+  return config.ratio == "per_term" or (config.ratio == "per_term_correction"
+                                        and config.correction == "decoupled")
 
 
 def log_prob_scale(ratio: str, terms: int) -> float:
-  """The factor applied to every chunk log-prob before the loss: ``1`` for "joint",
-  ``1 / terms`` for "mean" (``terms``: the policy's ``log_prob_terms``).
+  """The factor applied to every chunk log-prob before the loss: ``1 / terms`` for
+  "mean" (``terms``: the policy's ``log_prob_terms``), ``1`` for the others.
 
   Raises:
     ValueError: naming ``config.ppo.ratio`` if it is not one of :data:`RATIOS`.
   """
-  if ratio not in RATIOS:
-    raise ValueError(f"config.ppo.ratio must be one of {RATIOS}, got {ratio!r}")
-  return 1.0 if ratio == "joint" else 1.0 / terms
+  check_ratio(ratio)
+  return 1.0 / terms if ratio == "mean" else 1.0
 
 
 def _check_correction(correction: str, proximal_log_prob: jax.Array | None,
@@ -73,7 +96,8 @@ def check_behaviour_clip(behaviour_clip: float) -> None:
 def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: jax.Array,
                   advantages: jax.Array, *, correction: str, clip_eps: float,
                   is_clip: float, behaviour_clip: float = 0.0) -> tuple[jax.Array, ...]:
-  """Per-chunk policy loss and its diagnostics; every input and output is ``[N]``.
+  """Per-chunk (or per-term) policy loss and its diagnostics; every input and output
+  is ``[N]`` (or ``[N, M]``, ``advantages`` broadcast along the terms).
 
   Returns:
     ``(loss, log_ratio, is_weight, truncated, held)``: the policy loss of each chunk,
@@ -101,14 +125,53 @@ def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: ja
   surrogate = jnp.minimum(ratio * advantages,
                           jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages)
   held = jnp.zeros_like(log_ratio, bool)
-  if correction == "decoupled" and behaviour_clip > 0:
-    from_behaviour = jax.lax.stop_gradient(new_log_prob - old_log_prob)
-    bound = math.log(behaviour_clip)
-    held = (((from_behaviour > bound) & (advantages > 0))
-            | ((from_behaviour < -bound) & (advantages < 0)))
+  if correction == "decoupled":
+    held = _held(new_log_prob - old_log_prob, advantages, behaviour_clip)
     surrogate = jnp.where(held, jax.lax.stop_gradient(surrogate), surrogate)
   return (-w * surrogate, log_ratio, w, truncated.astype(jnp.float32),
           held.astype(jnp.float32))
+
+
+def _held(from_behaviour: jax.Array, advantages: jax.Array, behaviour_clip: float) -> jax.Array:
+  """Where the behaviour clip holds the gradient (bool, shaped like ``from_behaviour``,
+  the log-prob's change since the behaviour): moved past the factor in the direction
+  the advantage asks for. All False when the clip is off (0)."""
+  if behaviour_clip <= 0:
+    return jnp.zeros_like(from_behaviour, bool)
+  moved = jax.lax.stop_gradient(from_behaviour)
+  bound = math.log(behaviour_clip)
+  return ((moved > bound) & (advantages > 0)) | ((moved < -bound) & (advantages < 0))
+
+
+def _term_corrected_terms(new_log_prob: jax.Array, old_log_prob: jax.Array,
+                          proximal: jax.Array, advantages: jax.Array, *, clip_eps: float,
+                          is_clip: float, behaviour_clip: float) -> tuple[jax.Array, ...]:
+  """Decoupled PPO with the chunk's ratio and clip and the correction per term
+  (``ppo.ratio='per_term_correction'``): log-probs ``[N, M]``, advantages ``[N]``.
+
+  Term ``m``'s gradient is ``w_m * g * grad new_m``: ``w_m = min(pi_prox,m / mu_m,
+  is_clip)`` its behaviour -> proximal weight, ``g`` the chunk surrogate's derivative by
+  its log-prob (``r * A`` where the unclipped branch is the minimum, else 0), and 0
+  where the behaviour clip holds the term. With every ``w_m = 1`` and nothing held it is
+  the joint ratio's gradient. The loss's value is ``-mean_m(w_m) * surrogate``.
+
+  Returns:
+    ``(loss [N], log_ratio [N], is_weight [N, M], truncated [N, M], held [N, M])``, as
+    :func:`_policy_terms`'s.
+  """
+  sg = jax.lax.stop_gradient
+  log_ratio = new_log_prob.sum(-1) - proximal.sum(-1)
+  ratio = jnp.exp(sg(log_ratio))
+  unclipped = ratio * advantages
+  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+  surrogate = jnp.minimum(unclipped, clipped)
+  w_raw = sg(jnp.exp(proximal - old_log_prob))
+  w = jnp.minimum(w_raw, is_clip) if is_clip > 0 else w_raw
+  truncated = (w_raw > is_clip) if is_clip > 0 else jnp.zeros_like(w_raw, bool)
+  held = _held(new_log_prob - old_log_prob, advantages[:, None], behaviour_clip)
+  g = sg(jnp.where(held, 0.0, w * jnp.where(unclipped <= clipped, unclipped, 0.0)[:, None]))
+  loss = -jnp.mean(w, -1) * surrogate - jnp.sum(g * (new_log_prob - sg(new_log_prob)), -1)
+  return (loss, log_ratio, w, truncated.astype(jnp.float32), held.astype(jnp.float32))
 
 
 def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array,
@@ -117,11 +180,19 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
              weights: jax.Array | None = None, correction: str = "none",
              proximal_log_prob: jax.Array | None = None,
              is_clip: float = 0.0,
-             behaviour_clip: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+             behaviour_clip: float = 0.0,
+             term_ratio: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO loss over a (micro-)batch of ``N`` chunks, as a weighted sum.
 
-  Every ratio is between log-probabilities of the whole chunk (for flow
-  policies, of the whole denoise chain). The loss and every metric are
+  With ``[N]`` log-probs every ratio is between log-probabilities of the whole chunk
+  (for flow policies, of the whole denoise chain). With ``[N, M]`` log-probs (the
+  chunk's ``M`` terms) and ``term_ratio`` (``ppo.ratio='per_term'``) every ratio, weight
+  and clip is per term and a chunk's policy loss is the sum over its terms; without
+  ``term_ratio`` (``'per_term_correction'``, decoupled only) PPO's ratio and clip are
+  the chunk's and the importance weights and behaviour clip per term
+  (:func:`_term_corrected_terms`). ``approx_kl`` is then per chunk (the sum of the
+  terms' KL estimates, or the chunk ratio's), the fractions and ``is_weight`` are means
+  over the terms. The loss and every metric are
   ``sum_i weights_i * l_i``; ``weights=None`` means ``1 / N`` each (means over
   the batch). Because the sum is linear in the chunks, a streamed learner that
   gives every chunk its *global* weight (e.g. ``1 / N_global``) gets the
@@ -130,8 +201,10 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
   gradient) whatever finite values their other inputs hold.
 
   Args:
-    new_log_prob: ``[N]`` log-prob under the params being optimised.
-    old_log_prob: ``[N]`` behaviour log-prob (the params that sampled the chunk).
+    new_log_prob: ``[N]`` (or ``[N, M]`` per term) log-prob under the params being
+      optimised.
+    old_log_prob: ``[N]`` (``[N, M]``) behaviour log-prob (the params that sampled the
+      chunk).
     advantages: ``[N]`` advantage estimates.
     new_value: ``[N]`` value predictions under the params being optimised.
     returns: ``[N]`` value targets.
@@ -141,13 +214,15 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
     entropy_coef: weight of the entropy bonus.
     weights: ``[N]`` per-chunk weights, or None for ``1 / N`` each.
     correction: one of ``CORRECTIONS`` (see the module docstring).
-    proximal_log_prob: ``[N]`` log-prob under the params at the start of the
+    proximal_log_prob: ``[N]`` (``[N, M]``) log-prob under the params at the start of the
       update (no gradient flows into it); needed by "decoupled", ignored otherwise.
     is_clip: truncation of the importance weight: "decoupled" truncates at it
       when ``> 0``; "truncated_is" requires ``> 0``; "none" ignores it.
     behaviour_clip: "decoupled" only, ``0`` for off or ``> 1``: the factor of change
       from the behaviour beyond which a chunk moved in its advantage's direction
       gives no gradient (module docstring).
+    term_ratio: with ``[N, M]`` log-probs, whether PPO's ratio and clip are per term
+      (True) or over the chunk with the correction per term (False).
 
   Returns:
     the scalar loss and scalar diagnostics: ``policy_loss``, ``value_loss``
@@ -168,32 +243,50 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
   """
   _check_correction(correction, proximal_log_prob, is_clip, behaviour_clip)
   n = new_log_prob.shape[0]
+  per_term = new_log_prob.ndim == 2
+  if per_term and not old_log_prob.shape == new_log_prob.shape:
+    raise ValueError(f"per-term log-probs: behaviour {old_log_prob.shape} and current "
+                     f"{new_log_prob.shape} must have the same [N, M] shape")
+  if per_term and not term_ratio and correction != "decoupled":
+    raise ValueError(f"per-term log-probs with term_ratio=False correct the decoupled "
+                     f"correction per term; got correction {correction!r}")
   weights = (jnp.full((n,), 1.0 / n, jnp.float32) if weights is None
              else jnp.asarray(weights, jnp.float32))
   live = weights != 0
+  live_terms = live[:, None] if per_term else live
   # Zero the inputs of weight-0 chunks *before* any exp: a masked term whose ratio
   # overflowed would otherwise put 0 * inf = NaN into the gradient.
-  live_or_zero = lambda x: jnp.where(live, x, 0.0)
+  live_or_zero = lambda x: jnp.where(live_terms if x.ndim == 2 else live, x, 0.0)
   new_log_prob, old_log_prob, advantages, new_value, returns, entropy = map(
       live_or_zero, (new_log_prob, old_log_prob, advantages, new_value, returns, entropy))
   proximal = (new_log_prob if proximal_log_prob is None
               else live_or_zero(jax.lax.stop_gradient(proximal_log_prob)))
   wsum = lambda x: jnp.sum(jnp.where(live, weights * x, 0.0))
+  # A chunk's share of a per-term quantity: the sum over its terms (loss, KL) or the mean.
+  chunk_sum = lambda x: jnp.sum(x, -1) if x.ndim == 2 else x
+  chunk_mean = lambda x: jnp.mean(x, -1) if x.ndim == 2 else x
 
-  pg, log_ratio, is_weight, truncated, held = _policy_terms(
-      new_log_prob, old_log_prob, proximal, advantages, correction=correction,
-      clip_eps=clip_eps, is_clip=is_clip, behaviour_clip=behaviour_clip)
+  if per_term and not term_ratio:
+    pg, log_ratio, is_weight, truncated, held = _term_corrected_terms(
+        new_log_prob, old_log_prob, proximal, advantages, clip_eps=clip_eps,
+        is_clip=is_clip, behaviour_clip=behaviour_clip)
+  else:
+    pg, log_ratio, is_weight, truncated, held = _policy_terms(
+        new_log_prob, old_log_prob, proximal,
+        advantages[:, None] if per_term else advantages, correction=correction,
+        clip_eps=clip_eps, is_clip=is_clip, behaviour_clip=behaviour_clip)
   ratio = jnp.exp(log_ratio)
-  policy_loss = wsum(pg)
+  policy_loss = wsum(chunk_sum(pg))
   value_loss = 0.5 * wsum(jnp.square(new_value - returns))
   entropy_sum = wsum(entropy)
   loss = policy_loss + value_coef * value_loss - entropy_coef * entropy_sum
   metrics = dict(
       policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum,
-      approx_kl=wsum(jax.lax.stop_gradient(ratio - 1.0 - log_ratio)),
-      clip_frac=wsum((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32)),
-      is_weight=wsum(is_weight), is_weight_sq=wsum(jnp.square(is_weight)),
-      is_truncated_frac=wsum(truncated), behaviour_clip_frac=wsum(held))
+      approx_kl=wsum(chunk_sum(jax.lax.stop_gradient(ratio - 1.0 - log_ratio))),
+      clip_frac=wsum(chunk_mean((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32))),
+      is_weight=wsum(chunk_mean(is_weight)),
+      is_weight_sq=wsum(chunk_mean(jnp.square(is_weight))),
+      is_truncated_frac=wsum(chunk_mean(truncated)), behaviour_clip_frac=wsum(chunk_mean(held)))
   return loss, metrics
 
 
@@ -240,4 +333,5 @@ def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
   return dict(clip_eps=config.clip_eps, value_coef=config.value_coef,
               entropy_coef=config.entropy_coef,
               correction=config.correction,
-              is_clip=config.is_clip, behaviour_clip=config.behaviour_clip)
+              is_clip=config.is_clip, behaviour_clip=config.behaviour_clip,
+              term_ratio=config.ratio == "per_term")

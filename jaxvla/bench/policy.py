@@ -200,7 +200,8 @@ def make_trajectory(batch: dict, chain, seed: int) -> types.Trajectory:
   zeros = np.zeros((1, b), np.float32)
   return types.Trajectory(
       batch=jax.tree.map(lambda x: x[None], batch), chain=np.zeros((1, *chain.shape), chain.dtype),
-      log_prob=zeros, value=zeros, reward=rng.standard_normal((1, b)).astype(np.float32),
+      log_prob=zeros, log_prob_dims=np.zeros((1, b) + chain.shape[2:], np.float32), value=zeros,
+      reward=rng.standard_normal((1, b)).astype(np.float32),
       done=np.zeros((1, b), bool), terminated=np.zeros((1, b), bool), final_value=zeros,
       steps=np.ones((1, b), np.int32),
       bootstrap_value=np.zeros((b,), np.float32), policy_version=np.zeros((1, b), np.int32))

@@ -46,6 +46,22 @@ def _log_prob_scale(policy: contract.Policy, cfg: ml_collections.ConfigDict) -> 
   return ppo.log_prob_scale(cfg.ratio, policy.log_prob_terms)
 
 
+def _log_probs(policy: contract.Policy, cfg: ml_collections.ConfigDict, log_prob: jax.Array,
+               log_prob_dims: jax.Array) -> jax.Array:
+  """What the loss's ratios are over: the chunk log-probs ``log_prob [...]``, or with
+  a per-term ``ppo.ratio`` (:func:`ppo.uses_terms`) the executed dims' ``[..., H * A]``
+  of ``log_prob_dims [..., H, A_net]`` (padded dims dropped)."""
+  if not ppo.uses_terms(cfg):
+    return log_prob
+  dims = log_prob_dims[..., :policy.action_dim]
+  return dims.reshape(dims.shape[:-2] + (-1,))
+
+
+def _chunk(log_prob: jax.Array) -> jax.Array:
+  """PPO's chunk log-probs ``[n]`` from its rows' ``[n]`` or per-term ``[n, M]``."""
+  return log_prob.sum(-1) if log_prob.ndim == 2 else log_prob
+
+
 class Objective(Protocol):
   """One algorithm's view of a batch (see the module docstring)."""
 
@@ -88,11 +104,14 @@ class PPOObjective:
     self.policy, self.cfg = policy, cfg
 
   def rows(self, traj: types.Trajectory) -> dict:
-    """GAE over ``traj [T, B]`` (per env column), flattened to ``N = T * B`` chunks."""
+    """GAE over ``traj [T, B]`` (per env column), flattened to ``N = T * B`` chunks
+    (``log_prob``: ``[N]``, or ``[N, M]`` per term, see :func:`_log_probs`)."""
     adv, returns = self._gae(traj, traj.value)
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
     return dict(batch=jax.tree.map(flat, traj.batch), chain=flat(traj.chain),
-                log_prob=flat(traj.log_prob), adv=flat(adv), returns=flat(returns),
+                log_prob=_log_probs(self.policy, self.cfg, flat(traj.log_prob),
+                                    flat(traj.log_prob_dims)),
+                adv=flat(adv), returns=flat(returns),
                 value=flat(traj.value), version=flat(traj.policy_version))
 
   def _gae(self, traj: types.Trajectory, value: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -110,7 +129,7 @@ class PPOObjective:
 
   def evaluate(self, params: contract.Params, rows: dict) -> tuple[jax.Array, jax.Array]:
     ev = self.policy.evaluate(params, rows["batch"], rows["chain"])
-    return ev.log_prob, ev.value
+    return _log_probs(self.policy, self.cfg, ev.log_prob, ev.log_prob_dims), ev.value
 
   def relabel(self, traj: types.Trajectory, rows: dict) -> dict:
     """Targets from the proximal pass (``ppo.value_targets``): 'learner', GAE from the
@@ -124,7 +143,7 @@ class PPOObjective:
     rows = dict(rows, adv_learner=adv.reshape(-1))
     if self.cfg.value_targets == "vtrace":
       s = _log_prob_scale(self.policy, self.cfg)
-      log_rhos = (s * (rows["proximal"] - rows["log_prob"])).reshape(traj.value.shape)
+      log_rhos = (s * _chunk(rows["proximal"] - rows["log_prob"])).reshape(traj.value.shape)
       truncation = (dict(terminated=traj.terminated, final_values=traj.final_value)
                     if self.cfg.get("bootstrap_truncated", False) else {})
       adv, returns = gae.compute_vtrace(traj.reward, value, traj.done, traj.bootstrap_value,
@@ -139,19 +158,20 @@ class PPOObjective:
     return jnp.full((n,), 1.0 / n, jnp.float32)
 
   def streamed_weights(self, rows: dict, total_rows: jax.Array) -> jax.Array:
-    return jnp.full(rows["log_prob"].shape, 1.0 / total_rows, jnp.float32)
+    return jnp.full(rows["log_prob"].shape[:1], 1.0 / total_rows, jnp.float32)
 
   def loss(self, params: contract.Params, rows: dict, weights: jax.Array
            ) -> tuple[jax.Array, dict]:
     ev = self.policy.evaluate(params, rows["batch"], rows["chain"])
+    log_prob = _log_probs(self.policy, self.cfg, ev.log_prob, ev.log_prob_dims)
     a = rows["adv"]
     if self.cfg.advantage_norm == "minibatch":
       a = (a - a.mean()) / (a.std() + 1e-8)
     proximal = rows.get("proximal")
     if proximal is None:  # The params at the start of this update are the current ones.
-      proximal = jax.lax.stop_gradient(ev.log_prob)
+      proximal = jax.lax.stop_gradient(log_prob)
     s = _log_prob_scale(self.policy, self.cfg)
-    loss, metrics = ppo.ppo_loss(s * ev.log_prob, s * rows["log_prob"], a, ev.value,
+    loss, metrics = ppo.ppo_loss(s * log_prob, s * rows["log_prob"], a, ev.value,
                                  rows["returns"], ev.entropy, weights=weights,
                                  proximal_log_prob=s * proximal, **ppo.loss_kwargs(self.cfg))
     return loss, dict(metrics, loss=loss)
@@ -164,7 +184,7 @@ class PPOObjective:
     if "proximal_value" not in rows:
       return metrics
     s = _log_prob_scale(self.policy, self.cfg)
-    d = s * (rows["proximal"] - rows["log_prob"])
+    d = s * _chunk(rows["proximal"] - rows["log_prob"])
     adv_rollout = rows.get("adv_rollout", rows["adv"])
     per_row = dict(
         # k3 estimate of KL(behaviour || proximal) on the behaviour's samples.
@@ -204,10 +224,13 @@ class GRPOObjective:
     self.policy, self.cfg = policy, cfg
 
   def rows(self, eb: types.EpisodeBatch) -> dict:
-    """``EpisodeBatch [K, E]`` -> episode-major rows ``[E, K, ...]`` and ``adv [E]``."""
+    """``EpisodeBatch [K, E]`` -> episode-major rows ``[E, K, ...]`` and ``adv [E]``
+    (``log_prob``: ``[E, K]``, or ``[E, K, M]`` per term, see :func:`_log_probs`)."""
     swap = lambda x: jnp.swapaxes(jnp.asarray(x), 0, 1)
     return dict(batch=jax.tree.map(swap, eb.batch), chain=swap(eb.chain),
-                log_prob=swap(eb.log_prob), mask=swap(eb.mask),
+                log_prob=_log_probs(self.policy, self.cfg, swap(eb.log_prob),
+                                    swap(eb.log_prob_dims)),
+                mask=swap(eb.mask),
                 adv=jnp.asarray(eb.advantage, jnp.float32), version=swap(eb.policy_version))
 
   def _evaluate(self, params: contract.Params, rows: dict) -> contract.Evaluation:
@@ -218,7 +241,8 @@ class GRPOObjective:
   def evaluate(self, params: contract.Params, rows: dict) -> tuple[jax.Array, jax.Array]:
     ev = self._evaluate(params, rows)
     shape = rows["chain"].shape[:2]
-    return ev.log_prob.reshape(shape), ev.value.reshape(shape)
+    log_prob = _log_probs(self.policy, self.cfg, ev.log_prob, ev.log_prob_dims)
+    return log_prob.reshape(shape + log_prob.shape[1:]), ev.value.reshape(shape)
 
   def relabel(self, eb: types.EpisodeBatch, rows: dict) -> dict:
     """GRPO has no critic: its targets are group-normalised returns."""
@@ -238,12 +262,14 @@ class GRPOObjective:
     ev = self._evaluate(params, rows)
     e, k = rows["mask"].shape
     adv = jnp.broadcast_to(rows["adv"][:, None], (e, k)).reshape(-1)
-    proximal = (rows["proximal"].reshape(-1) if "proximal" in rows
-                else jax.lax.stop_gradient(ev.log_prob))
+    log_prob = _log_probs(self.policy, self.cfg, ev.log_prob, ev.log_prob_dims)  # [e * K(, M)]
+    flat = lambda x: x.reshape(log_prob.shape)
+    proximal = (flat(rows["proximal"]) if "proximal" in rows
+                else jax.lax.stop_gradient(log_prob))
     zeros = jnp.zeros_like(ev.log_prob)  # No critic: value and target both 0.
     s = _log_prob_scale(self.policy, self.cfg)
     loss, metrics = ppo.ppo_loss(
-        s * ev.log_prob, s * rows["log_prob"].reshape(-1), adv, zeros, zeros, ev.entropy,
+        s * log_prob, s * flat(rows["log_prob"]), adv, zeros, zeros, ev.entropy,
         weights=weights.reshape(-1), proximal_log_prob=s * proximal,
         **dict(ppo.loss_kwargs(self.cfg), value_coef=0.0))
     del metrics["value_loss"]

@@ -56,8 +56,8 @@ def _with_proximal(objective: Objective, params, data, rows: dict, version: jax.
   log_prob, value = jax.lax.map(
       lambda m: objective.evaluate(params, m),
       dict(batch=jax.tree.map(split, rows["batch"]), chain=split(rows["chain"])))
-  rows = dict(rows, proximal=jax.lax.stop_gradient(log_prob.reshape(rows["log_prob"].shape)),
-              proximal_value=jax.lax.stop_gradient(value.reshape(rows["log_prob"].shape)),
+  merge = lambda x: jax.lax.stop_gradient(x.reshape((-1,) + x.shape[2:]))  # Undoes ``split``.
+  rows = dict(rows, proximal=merge(log_prob), proximal_value=merge(value),
               lag=version - rows["version"])
   return objective.relabel(data, rows)
 

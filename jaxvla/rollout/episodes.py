@@ -72,6 +72,7 @@ class EpisodeBuilder:
     for row, i in enumerate(env_ids):
       self._open[i].append(dict(batch=rows(batch, row), chain=np.asarray(out.chain[row]),
                                 log_prob=np.float32(out.log_prob[row]),
+                                log_prob_dims=np.asarray(out.log_prob_dims[row], np.float32),
                                 version=np.int32(version)))
 
   def on_result(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> np.ndarray:
@@ -161,6 +162,8 @@ class EpisodeBuilder:
     return types.EpisodeBatch(
         **played,
         log_prob=np.array([c["log_prob"] for c in chunks] + [0.0] * (k - n), np.float32),
+        log_prob_dims=np.stack([c["log_prob_dims"] for c in chunks]
+                               + [np.zeros_like(chunks[0]["log_prob_dims"])] * (k - n)),
         mask=np.arange(k) < n,
         steps=np.array([c["steps"] for c in chunks] + [0] * (k - n), np.int32),
         advantage=np.float32(advantage), episode_return=np.float32(episode_return),

@@ -63,7 +63,8 @@ class SegmentBuilder:
     """Records the chunk each of ``env_ids`` ``[b]`` is about to execute."""
     for row, i in enumerate(env_ids):
       self._open[i].append(dict(batch=rows(batch, row), chain=out.chain[row],
-                                log_prob=out.log_prob[row], value=out.value[row],
+                                log_prob=out.log_prob[row], log_prob_dims=out.log_prob_dims[row],
+                                value=out.value[row],
                                 policy_version=np.int32(version)))
 
   def on_result(self, env_ids: np.ndarray, result: protocol.ChunkStep) -> np.ndarray:
