@@ -159,7 +159,8 @@ def _check_final_values(items) -> None:
       counts["terminated"] += bool(traj.terminated[t, 0])
     # The learner's GAE: a truncated chunk's return is its reward plus gamma times the
     # final value (the recursion is cut there, whatever lambda).
-    cfg = ml_collections.ConfigDict(dict(gamma=0.9, gae_lambda=0.5, bootstrap_truncated=True))
+    cfg = ml_collections.ConfigDict(dict(gamma=0.9, gae_lambda=0.5, bootstrap_truncated=True,
+                                         ratio="joint", correction="decoupled"))
     returns = np.asarray(objectives.PPOObjective(None, cfg).rows(traj)["returns"])
     cut = traj.done[:, 0] & ~traj.terminated[:, 0]
     np.testing.assert_allclose(returns[cut], (traj.reward + 0.9 * traj.final_value)[cut, 0],
