@@ -42,9 +42,10 @@ CORRECTIONS = ("none", "decoupled", "truncated_is")
 # "per_term_correction", PPO's ratio and clip over the whole chunk (the trust region
 # around the proximal policy, as "joint") and the decoupled correction per term: each
 # term's gradient weighted by its own behaviour -> proximal weight, and the behaviour
-# clip holding only the terms that ran ahead (with another correction, "joint"). On fresh data both per-term variants
-# have the joint ratio's gradient (the sum of the terms' log-prob gradients); on
-# stale data a term's weight spreads as one term's drift, not as the product of all.
+# clip holding only the terms that ran ahead (with another correction, "joint"). On
+# fresh data both per-term variants have the joint ratio's gradient (the sum of the
+# terms' log-prob gradients); on stale data a term's weight spreads as one term's
+# drift, not as the product of all.
 RATIOS = ("joint", "mean", "per_term", "per_term_correction")
 
 
@@ -114,9 +115,7 @@ def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: ja
             (rho_raw > is_clip).astype(jnp.float32), jnp.zeros_like(rho))
   if correction == "decoupled":
     log_ratio = new_log_prob - proximal
-    w_raw = jax.lax.stop_gradient(jnp.exp(proximal - old_log_prob))
-    w = jnp.minimum(w_raw, is_clip) if is_clip > 0 else w_raw
-    truncated = (w_raw > is_clip) if is_clip > 0 else jnp.zeros_like(w_raw, bool)
+    w, truncated = _behaviour_weight(proximal, old_log_prob, is_clip)
   else:
     log_ratio = new_log_prob - old_log_prob
     w = jnp.ones_like(log_ratio)
@@ -130,6 +129,16 @@ def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: ja
     surrogate = jnp.where(held, jax.lax.stop_gradient(surrogate), surrogate)
   return (-w * surrogate, log_ratio, w, truncated.astype(jnp.float32),
           held.astype(jnp.float32))
+
+
+def _behaviour_weight(proximal: jax.Array, behaviour: jax.Array,
+                      is_clip: float) -> tuple[jax.Array, jax.Array]:
+  """Decoupled PPO's behaviour -> proximal weight ``pi_prox / mu`` (no gradient),
+  truncated at ``is_clip`` when it is ``> 0``, and where it was truncated (bool)."""
+  w_raw = jax.lax.stop_gradient(jnp.exp(proximal - behaviour))
+  if is_clip <= 0:
+    return w_raw, jnp.zeros_like(w_raw, bool)
+  return jnp.minimum(w_raw, is_clip), w_raw > is_clip
 
 
 def _held(from_behaviour: jax.Array, advantages: jax.Array, behaviour_clip: float) -> jax.Array:
@@ -165,9 +174,7 @@ def _term_corrected_terms(new_log_prob: jax.Array, old_log_prob: jax.Array,
   unclipped = ratio * advantages
   clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
   surrogate = jnp.minimum(unclipped, clipped)
-  w_raw = sg(jnp.exp(proximal - old_log_prob))
-  w = jnp.minimum(w_raw, is_clip) if is_clip > 0 else w_raw
-  truncated = (w_raw > is_clip) if is_clip > 0 else jnp.zeros_like(w_raw, bool)
+  w, truncated = _behaviour_weight(proximal, old_log_prob, is_clip)
   held = _held(new_log_prob - old_log_prob, advantages[:, None], behaviour_clip)
   g = sg(jnp.where(held, 0.0, w * jnp.where(unclipped <= clipped, unclipped, 0.0)[:, None]))
   loss = -jnp.mean(w, -1) * surrogate - jnp.sum(g * (new_log_prob - sg(new_log_prob)), -1)
@@ -253,10 +260,9 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
   weights = (jnp.full((n,), 1.0 / n, jnp.float32) if weights is None
              else jnp.asarray(weights, jnp.float32))
   live = weights != 0
-  live_terms = live[:, None] if per_term else live
   # Zero the inputs of weight-0 chunks *before* any exp: a masked term whose ratio
   # overflowed would otherwise put 0 * inf = NaN into the gradient.
-  live_or_zero = lambda x: jnp.where(live_terms if x.ndim == 2 else live, x, 0.0)
+  live_or_zero = lambda x: jnp.where(live[:, None] if x.ndim == 2 else live, x, 0.0)
   new_log_prob, old_log_prob, advantages, new_value, returns, entropy = map(
       live_or_zero, (new_log_prob, old_log_prob, advantages, new_value, returns, entropy))
   proximal = (new_log_prob if proximal_log_prob is None
