@@ -139,6 +139,15 @@ def to_global(tree: Any, shardings: Any) -> Any:
                       is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
 
 
+def _on(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
+  """Whether ``x`` is laid out as ``sharding`` and typed with its mesh (if it has one)."""
+  if not x.sharding.is_equivalent_to(sharding, x.ndim):
+    return False
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == sharding.mesh
+  return True
+
+
 def device_put(tree: Any, shardings: Any) -> Any:
   """``jax.device_put`` that also places *host-local* values on multi-process shardings.
 
@@ -151,13 +160,15 @@ def device_put(tree: Any, shardings: Any) -> Any:
   A tree whose every leaf is already an array on its sharding is returned as it is:
   ``jax.device_put`` costs about 0.1 ms per leaf even when it moves nothing (18 ms for
   the tiny pi0's BC state, a quarter of its BC step on the CPU), and the learner places
-  its state before every step.
+  its state before every step. "On its sharding" includes the mesh: a jit's cache key
+  holds each argument's mesh, so a fresh scalar on one device (no mesh), though
+  equivalent to the replicated sharding of a one-device mesh, would compile every
+  step twice, once for it and once for the on-mesh state the step returns.
   """
   leaves = jax.tree.leaves(tree)
   targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
   if len(leaves) == len(targets) and all(
-      isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
-      for x, s in zip(leaves, targets)):
+      isinstance(x, jax.Array) and _on(x, s) for x, s in zip(leaves, targets)):
     return tree
   if not multi_process():
     return jax.device_put(tree, shardings)

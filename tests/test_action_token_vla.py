@@ -165,3 +165,7 @@ def test_ppo_update_changes_params(smoke_config):
   changed = jax.tree.map(lambda x, y: not np.array_equal(x, np.asarray(y)), before, state.params)
   assert changed["PaliGemma"]["llm"]["embedder"]["input_embedding"]
   assert changed["PaliGemma"]["img"]["head"]["kernel"] and changed["rl"]["value_out"]["kernel"]
+  # A second update takes the state the first returned: the same program, no new compile
+  # (a fresh state's scalars must be placed on the learner's mesh, which types them).
+  lrn.update(state, traj)
+  assert lrn.update_jit._cache_size() == 1

@@ -54,6 +54,8 @@ def test_bc_loss_decreases_on_fixed_batch(smoke_config):
     state, metrics = lrn.bc_step(state, batch, acts)
     losses.append(float(metrics["loss"]))
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+  # One program for the fresh state and the states the steps return (the mesh types them).
+  assert lrn.bc_step_jit._cache_size() == 1
 
 
 @pytest.mark.parametrize("name", ["pi0", "action_token_vla"])
