@@ -102,10 +102,12 @@ def _guard(old: TrainState, new: TrainState, loss, grad_norm) -> tuple[TrainStat
   code = ((~jnp.isfinite(loss)).astype(jnp.int32) * 1
           + (~jnp.isfinite(grad_norm)).astype(jnp.int32) * 2
           + (~all_finite(new.params)).astype(jnp.int32) * 4)
-  keep = lambda n, o: jnp.where(code == 0, n, o)
-  state = new.replace(params=jax.tree.map(keep, new.params, old.params),
-                      opt_state=jax.tree.map(keep, new.opt_state, old.opt_state))
-  return state, code.astype(jnp.float32)
+  # One branch on the scalar, not a select per leaf: XLA fuses the check's chain of
+  # per-leaf results into every select that reads it (tiny pi0: 55 leaves x 160 selects,
+  # a third of its update's compile time; more leaves and selects at full size).
+  params, opt_state = jax.lax.cond(code == 0, lambda n, o: n, lambda n, o: o,
+                                   (new.params, new.opt_state), (old.params, old.opt_state))
+  return new.replace(params=params, opt_state=opt_state), code.astype(jnp.float32)
 
 
 def describe_nonfinite(code: float) -> str:
