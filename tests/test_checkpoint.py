@@ -23,11 +23,20 @@ def _tree_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def _random_like(rng: np.random.Generator, x) -> np.ndarray:
+  """An array like ``x`` with random entries (any integer, PRNG key words too)."""
+  x = np.asarray(x)
+  if np.issubdtype(x.dtype, np.floating):
+    return rng.standard_normal(x.shape).astype(x.dtype)
+  info = np.iinfo(x.dtype)
+  return rng.integers(info.min, info.max, x.shape, dtype=x.dtype, endpoint=True)
+
+
 @pytest.fixture(scope="module")
 def trained():
-  """The smoke policy and two train states (seeds 0 and 5), each after one BC step so
-  the optimizer moments are non-trivial; one learner for the module, so its step is
-  traced once."""
+  """The smoke policy and two train states (seeds 0 and 5) on the learner's mesh, every
+  leaf random (the optimizer's moments and count, the step and the key too), so a
+  restore that mixed up leaves or kept its target's values cannot pass."""
   config = default.get_config("smoke")
   env = builtin.make(config.env, 2, 0)
   pol = policy_lib.make_policy(config.model, env.spec)
@@ -36,8 +45,8 @@ def trained():
   for seed in (0, 5):
     state = learner_lib.init_state(pol.init(jax.random.PRNGKey(seed)), lrn.ppo_tx,
                                    jax.random.PRNGKey(seed + 1))
-    states.append(lrn.bc_step(state, pol.prepare(env.observe()),
-                              np.ones((2, 5, 2), np.float32))[0])
+    rng = np.random.default_rng(seed)
+    states.append(lrn.shard_state(jax.tree.map(lambda x: _random_like(rng, x), state)))
   return pol, states
 
 
