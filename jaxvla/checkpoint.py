@@ -267,11 +267,16 @@ class Checkpointer:
           raise
 
 
+def saved_steps(directory: str) -> list[int]:
+  """The finished checkpoint steps in ``directory``, ascending (without opening a manager)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(ocp.utils.checkpoint_steps(os.path.abspath(directory)))
+
+
 def has_checkpoint(directory: str) -> bool:
   """Whether ``directory`` holds a finished checkpoint step (without opening a manager)."""
-  if not os.path.isdir(directory):
-    return False
-  return bool(ocp.utils.checkpoint_steps(os.path.abspath(directory)))
+  return bool(saved_steps(directory))
 
 
 def export_policy(directory: str, params, config_json: str, write_config: bool = True) -> str:

@@ -268,8 +268,7 @@ def _initial_state(config, s: Setup, rng, written: dict | None = None
   ``written``: the config the workdir's run wrote (its ``config.json``), if any.
   """
   init_key, bc_key, ppo_key, eval_key = _setup_keys(rng)
-  step = s.checkpointer.latest_step()
-  if config.resume:  # (a checkpoint exists: checked before anything was written)
+  if config.resume:  # (a checkpoint exists, and none without it: checked by _train)
     # The restore target's structure and shardings, computed abstractly (nothing is
     # allocated); orbax reads every array straight into its shards.
     abstract = jax.eval_shape(lambda: learner_lib.init_state(
@@ -291,10 +290,6 @@ def _initial_state(config, s: Setup, rng, written: dict | None = None
              "was written", step, int(state.step), run.env_steps, was.in_flight("env_steps"),
              was.in_flight("chunks"))
     return state, run
-  if step is not None:
-    raise FileExistsError(
-        f"the workdir already holds checkpoint {step}; pass --config.resume=True to "
-        "continue it or choose another --workdir")
   t0 = time.perf_counter()
   # Fresh, or openpi's weights (config.model.init_checkpoint) read straight into
   # their shards, with fresh RL heads.
@@ -378,10 +373,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> dict:
   """:func:`train_and_evaluate` once the workdir is this run's."""
-  if config.resume and not checkpoint_lib.has_checkpoint(os.path.join(workdir, "checkpoints")):
+  # Both checked before anything is written or started: a refused run must not
+  # overwrite the earlier run's config.json, which its resume compares against.
+  saved = checkpoint_lib.saved_steps(os.path.join(workdir, "checkpoints"))
+  if config.resume and not saved:
     raise FileNotFoundError(
         f"--config.resume=True but {os.path.join(workdir, 'checkpoints')!r} holds no "
         "checkpoint; check --workdir, or drop --config.resume to start a new run there")
+  if saved and not config.resume:
+    raise FileExistsError(
+        f"the workdir already holds checkpoint {saved[-1]}; pass --config.resume=True to "
+        "continue it or choose another --workdir")
   os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, "config.json")
   written = None

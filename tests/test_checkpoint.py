@@ -108,8 +108,16 @@ def test_resume_continues_run(tmp_path):
   assert meta["iteration"] == first["iterations"] and int(saved.step) == first["policy_version"]
   assert meta["normalizer"] == normalizer.to_json()
 
-  with pytest.raises(FileExistsError, match="resume"):
+  # A second start without resume is refused before it writes anything: the run's
+  # config.json (what a resume compares against) stays the run's.
+  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    written = f.read()
+  smoke_config.seed += 1
+  with pytest.raises(FileExistsError, match=r"holds checkpoint \d+; pass --config.resume"):
     train.train_and_evaluate(smoke_config, workdir)
+  smoke_config.seed -= 1
+  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    assert f.read() == written
 
   # Resuming with another model size: one line naming the step, the path and the key.
   smoke_config.resume = True
