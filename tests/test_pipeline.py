@@ -362,6 +362,9 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
   jax.tree.map(close, jax.device_get(state.params), jax.device_get(ref_state.params))
   jax.tree.map(close, jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state))
   assert int(state.step) == int(ref_state.step) == 1
+  # One optimizer-step program for both minibatches, though the second's metrics carry
+  # the proximal pass's diagnostics too.
+  assert lrn._apply_jit._cache_size() == 1  # pylint: disable=protected-access
   keys = ["loss", "policy_loss", "value_loss", "approx_kl", "clip_frac", "grad_norm"]
   if value_targets == "learner":  # (the staleness diagnostics need the proximal pass)
     keys += ["value_drift", "kl_behaviour_proximal"]

@@ -311,6 +311,10 @@ def ess_fraction(is_weight: jax.Array, is_weight_sq: jax.Array) -> jax.Array:
   return jnp.square(is_weight) / jnp.maximum(is_weight_sq, 1e-12)
 
 
+# The metrics :func:`step_scale` reads (a step's accumulated metrics may hold more).
+STEP_SCALE_READS = ("lag", "is_weight", "is_weight_sq")
+
+
 def step_scale(step_scale_name: str, metrics: dict) -> jax.Array:
   """The factor on one optimizer step's update (``ppo.step_scale``): ``1`` for "none";
   for "ess", :func:`ess_fraction` of the step's importance weights, so that a gradient

@@ -385,6 +385,11 @@ class Learner:
       return grads_metrics
     return self._add_jit(acc, *grads_metrics)
 
+  # The accumulated metrics ``_apply`` reads: the loss (for the guard) and what
+  # ``ppo.step_scale`` reads. Only these enter its program, so one program serves every
+  # minibatch (a later minibatch's metrics carry the proximal pass's diagnostics too).
+  _APPLY_READS = ("loss",) + ppo.STEP_SCALE_READS
+
   def _apply(self, state: TrainState, acc, bump_version: jax.Array
              ) -> tuple[TrainState, dict]:
     grads, metrics = acc
@@ -393,15 +398,21 @@ class Learner:
     scale = ppo.step_scale(self.ppo_config.step_scale, metrics)
     params = self.rl_trainable.merge(
         state.params, optax.apply_updates(trained, jax.tree.map(lambda u: scale * u, updates)))
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), skipped=jnp.zeros(()),
-                   step_scale=scale)
+    out = dict(grad_norm=optax.tree.norm(grads), skipped=jnp.zeros(()), step_scale=scale)
     step = state.step + bump_version.astype(state.step.dtype)
     new = state.replace(step=step, params=params, opt_state=opt_state)
-    new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])
-    return new, dict(metrics, nonfinite=nonfinite)
+    new, nonfinite = _guard(state, new, metrics["loss"], out["grad_norm"])
+    return new, dict(out, nonfinite=nonfinite)
 
   def apply(self, state: TrainState, acc, bump_version: bool = True):
     """Applies accumulated micro-batch gradients: one optimizer update
-    (``bump_version``: it ends the RL batch, the policy version grows by 1)."""
-    return self._apply_jit(self._placed(state, self._ppo_state_sh), acc,
-                           jnp.asarray(bump_version, bool))
+    (``bump_version``: it ends the RL batch, the policy version grows by 1).
+
+    Returns ``(state, metrics)``: the accumulated metrics with ``grad_norm``,
+    ``skipped``, ``step_scale`` and ``nonfinite`` added.
+    """
+    grads, metrics = acc
+    read = {k: metrics[k] for k in self._APPLY_READS if k in metrics}
+    state, out = self._apply_jit(self._placed(state, self._ppo_state_sh), (grads, read),
+                                 jnp.asarray(bump_version, bool))
+    return state, dict(metrics, **out)
