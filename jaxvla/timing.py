@@ -16,6 +16,10 @@ components keep no timing dicts of their own.
 :class:`Histogram` counts small non-negative integers (policy-version staleness
 of the chunks the learner trains on).
 
+Every :meth:`StageClock.busy` and :meth:`StageClock.timed` block is also a ``jax.profiler.TraceAnnotation``
+named :data:`TRACE_PREFIX` + the stage or counter, so a profiler trace shows the stages beside
+the XLA programs (``python -m jaxvla.bench.trace_summary`` reads them back).
+
 The timeline record is saved with :meth:`StageClock.to_json`; plot it with
 :mod:`jaxvla.plot_timeline`::
 
@@ -41,9 +45,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import jax
 import numpy as np
 
 Interval = tuple[float, float]
+
+# Name prefix of the pipeline's spans in a jax.profiler trace.
+TRACE_PREFIX = "jaxvla/"
 
 # The union of a stage keeps at least this many disjoint busy pieces for window()
 # even when the timeline record is small or off (keep_intervals=0).
@@ -196,7 +204,8 @@ class StageClock:
       # Read inside the lock: the union never folds past an open block's start.
       self._open[stage][token] = self._clock()
     try:
-      yield
+      with jax.profiler.TraceAnnotation(TRACE_PREFIX + stage):
+        yield
     finally:
       end = self._clock()
       with self._lock:
@@ -233,7 +242,8 @@ class StageClock:
     """
     start = self._clock()
     try:
-      yield
+      with jax.profiler.TraceAnnotation(TRACE_PREFIX + name):
+        yield
     finally:
       self.count(name, self._clock() - start)
 

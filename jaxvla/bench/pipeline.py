@@ -50,6 +50,7 @@ from ml_collections import config_flags
 
 from jaxvla import config_checks, distributed, plot_timeline, sharding as sharding_lib
 from jaxvla.bench import envs as env_bench
+from jaxvla.bench import trace_summary
 from jaxvla.envs import make_vec_env
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
@@ -70,6 +71,11 @@ _STALENESS_CONTROL = flags.DEFINE_enum(
     "staleness_control", "", ["", "drop", "pace"],
     "Override config.pipeline.staleness_control for the async modes ('': the config's).")
 _TIMELINE = flags.DEFINE_string("timeline", "", "Write the full-async run's timeline PNG here.")
+_PROFILE = flags.DEFINE_string(
+    "profile", "", "Trace each mode with jax.profiler for --profile_updates more updates after "
+    "its timed window, into DIR/<mode>, and print where the time went (trace_summary).")
+_PROFILE_UPDATES = flags.DEFINE_integer(
+    "profile_updates", 2, "Updates traced after each mode's timed window (with --profile).")
 
 ABLATION = {
     "sync_colocated": dict(mode="sync_colocated"),
@@ -153,35 +159,64 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: Parts) -> dict:
     marks.append((time.perf_counter(), trained[0], totals["rollout_env_steps"],
                   pipe.clock.elapsed(), totals["dropped_env_steps"]))
 
-  total = _WARMUP.value + _UPDATES.value
+  timed_end = _WARMUP.value + _UPDATES.value
+  profile_dir = profile_path(name) if _PROFILE.value else ""
+  tracing = [False]
+
+  def on_update_traced(info):
+    on_update(info)
+    if profile_dir and len(marks) == timed_end:  # The timed window is over: trace from here.
+      jax.profiler.start_trace(profile_dir, profiler_options=_profile_options())
+      tracing[0] = True
+
+  total = timed_end + (_PROFILE_UPDATES.value if profile_dir else 0)
   try:
-    pipe.run(state, 0, 1 << 62, on_update_limit(on_update, total, pipe))  # Donates state.
+    pipe.run(state, 0, 1 << 62, on_update_limit(on_update_traced, total, pipe))  # Donates state.
   finally:
+    if tracing[0]:
+      jax.profiler.stop_trace()
     env.close()
     del state  # The next mode allocates its own train state (a full model's is ~36 GiB).
     gc.collect()
-  (t0, s0, r0, c0, d0), (t1, s1, r1, _, d1) = marks[_WARMUP.value - 1], marks[-1]
-  window = pipe.clock.window(c0)
-  workers = pipe.workers_busy(since=c0)  # The env pool's utilisation over the timed window.
+  # (a multi-process stop is agreed one update after it is asked for: marks can run on)
+  (t0, s0, r0, c0, d0), (t1, s1, r1, c1, d1) = marks[_WARMUP.value - 1], marks[timed_end - 1]
+  window = pipe.clock.window(c0, c1)
+  workers = pipe.workers_busy(since=c0, until=c1)  # The env pool's use over the timed window.
   stats = pipe.metrics()
   trained_rate = (s1 - s0) / (t1 - t0)
   usable_rate = (r1 - r0 - (d1 - d0)) / (t1 - t0)
   row = dict(mode=name, pipeline=pipe.mode_name, env_steps_per_s=min(trained_rate, usable_rate),
              trained_env_steps_per_s=trained_rate, usable_rollout_env_steps_per_s=usable_rate,
              rollout_env_steps_per_s=(r1 - r0) / (t1 - t0),
-             # (a multi-process stop is agreed one update after it is asked for)
-             updates=len(marks) - _WARMUP.value, seconds=t1 - t0,
+             updates=_UPDATES.value, seconds=t1 - t0,
              staleness_control=c.pipeline.staleness_control,
              staleness_mean=stats.get("staleness_mean", 0.0),
              dropped_env_steps=int(stats["queue_dropped_env_steps"]),
              env_workers_busy=workers,  # None without an env pool (env_workers=0).
              **{k: v for k, v in window.items() if k.endswith("_busy")})
+  if profile_dir:
+    row["profile"] = trace_summary.summarize(trace_summary.load(profile_dir))
+    row["profile_dir"] = profile_dir
   if name == "+streamer" and _TIMELINE.value:
     intervals = pipe.clock.intervals()
     end = max(e for ivs in intervals.values() for _, e in ivs)  # The run's last activity.
     plot_timeline.plot_timeline(intervals, _TIMELINE.value, t_range=(max(c0, end - 3.0), end),
                          title=f"{pipe.mode_name}: 3 s of the timed window")
   return row
+
+
+def profile_path(mode: str) -> str:
+  """Where ``--profile`` traces ``mode`` (one folder per process of a multi-process run)."""
+  path = os.path.join(_PROFILE.value, mode.lstrip("+"))
+  if distributed.multi_process():
+    path = os.path.join(path, f"process_{jax.process_index()}")
+  return path
+
+
+def _profile_options() -> jax.profiler.ProfileOptions:
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0  # Python function spans would be most of a long trace.
+  return options
 
 
 def on_update_limit(fn, total: int, pipe: pipeline_lib.Pipeline):
@@ -284,6 +319,11 @@ def main(argv):
           + (f"{'-':>8}" if row["env_workers_busy"] is None else f"{row['env_workers_busy']:>8.2f}")
           + f"{row['inference_busy']:>7.2f}{row['learner_busy']:>7.2f}"
           f"{row['staleness_mean']:>7.2f}{row['dropped_env_steps']:>9d}", flush=True)
+  for row in rows:
+    if "profile" in row:
+      print(f"# profile of {row['mode']} ({_PROFILE_UPDATES.value} updates after the timed "
+            f"window, {row['profile_dir']}):")
+      print(trace_summary.format_summary(row["profile"]), flush=True)
   full = rows[-1]
   print(json.dumps(dict(
       stage_rates=rates, slowest_stage=slowest, rows=rows, full_async_mode=full["mode"],

@@ -230,19 +230,28 @@ class Learner:
                                out_shardings=(ppo_sh, rep), donate_argnums=0)
     # Streamer: gradients live like the trained params; metrics and the row count replicated.
     grads_sh = (self._trained_shardings, rep)
+    # (named functions: their names are the programs' names in a profile)
+    def micro_grads(params, data, total, version):
+      return update_lib.micro_grads(self.objective, self.ppo_config, params, data, total,
+                                    version, self.rl_trainable)
+
+    def micro_grads_proximal(params, data, total, version, proximal):
+      return update_lib.micro_grads(self.objective, self.ppo_config, params, data, total,
+                                    version, self.rl_trainable,
+                                    self.rl_trainable.merge(params, proximal))
+
+    def snapshot(params):
+      return jax.tree.map(jnp.copy, self.rl_trainable.select(params))
+
     self._micro_grads_jit = jax.jit(
-        lambda params, data, total, version: update_lib.micro_grads(
-            self.objective, self.ppo_config, params, data, total, version, self.rl_trainable),
-        in_shardings=(self.param_shardings, self._data_sh, rep, rep), out_shardings=grads_sh)
+        micro_grads, in_shardings=(self.param_shardings, self._data_sh, rep, rep),
+        out_shardings=grads_sh)
     self._micro_grads_proximal_jit = jax.jit(
-        lambda params, data, total, version, proximal: update_lib.micro_grads(
-            self.objective, self.ppo_config, params, data, total, version, self.rl_trainable,
-            self.rl_trainable.merge(params, proximal)),
+        micro_grads_proximal,
         in_shardings=(self.param_shardings, self._data_sh, rep, rep, self._trained_shardings),
         out_shardings=grads_sh)
-    self._snapshot_jit = jax.jit(
-        lambda params: jax.tree.map(jnp.copy, self.rl_trainable.select(params)),
-        in_shardings=(self.param_shardings,), out_shardings=self._trained_shardings)
+    self._snapshot_jit = jax.jit(snapshot, in_shardings=(self.param_shardings,),
+                                 out_shardings=self._trained_shardings)
     self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, self._trained_shardings, rep),
                             out_shardings=grads_sh, donate_argnums=0)
     # (bump_version traced, not static: one program for every step of an update)

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxvla import distributed
+from jaxvla import distributed, timing
 from jaxvla import sharding as sharding_lib
 
 
@@ -66,8 +66,12 @@ class ParamServer:
       dtype = jnp.dtype(cast)
       if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"ParamServer cast: {cast!r} is not a floating dtype")
-      self._cast = jax.jit(lambda tree: jax.tree.map(
-          lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree))
+
+      def cast_params(tree):
+        return jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+      self._cast = jax.jit(cast_params)
     self._cond = threading.Condition()
     self._current: tuple[Any, int] | None = None
     self._pending: tuple[Any, int, float] | None = None
@@ -97,7 +101,8 @@ class ParamServer:
     """
     self._raise_if_failed()
     t0 = time.perf_counter()
-    copied = self._copy(params)
+    with jax.profiler.TraceAnnotation(timing.TRACE_PREFIX + "broadcast_dispatch"):
+      copied = self._copy(params)
     with self._cond:
       if self._pending is not None:
         self.skipped_versions += 1
@@ -118,7 +123,8 @@ class ParamServer:
             return
           copied, version, t0 = self._pending
           self._pending = None
-        jax.block_until_ready(copied)
+        with jax.profiler.TraceAnnotation(timing.TRACE_PREFIX + "broadcast_wait"):
+          jax.block_until_ready(copied)
         t1 = time.perf_counter()
         with self._cond:
           self._current = (copied, version)

@@ -506,9 +506,10 @@ class Pipeline:
       self._mark_times.append(self.clock.elapsed())
       self._mark_busy.append(self.env.stats.worker_busy_s)
 
-  def workers_busy(self, since: float = 0.0) -> float | None:
-    """Fraction of the env workers' time spent stepping since the last update at or
-    before clock time ``since`` (None without an env pool).
+  def workers_busy(self, since: float = 0.0, until: float | None = None) -> float | None:
+    """Fraction of the env workers' time spent stepping from the last update at or
+    before clock time ``since`` to the last at or before ``until`` (default: until
+    now); None without an env pool.
 
     The ``env`` stage's busy fraction says when *some* env was stepping; this says
     how much of the workers' capacity was used (first-ready batching keeps it high).
@@ -517,8 +518,12 @@ class Pipeline:
       return None
     mark = max(bisect.bisect_right(self._mark_times, since) - 1, 0)
     t0, b0 = self._mark_times[mark], self._mark_busy[mark]
-    span = self.clock.elapsed() - t0
-    busy = self.env.stats.worker_busy_s - b0
+    if until is None:
+      t1, b1 = self.clock.elapsed(), self.env.stats.worker_busy_s
+    else:
+      end = max(bisect.bisect_right(self._mark_times, until) - 1, mark)
+      t1, b1 = self._mark_times[end], self._mark_busy[end]
+    span, busy = t1 - t0, b1 - b0
     return busy / (self.env.num_workers * span) if span > 0 else 0.0
 
   def metrics(self, since: float | None = None) -> dict[str, float]:
