@@ -98,3 +98,20 @@ def test_a_state_only_env_needs_a_value_that_sees_the_state():
   with pytest.raises(ValueError, match="config.model.value_source: 'prefix' cannot see the state"):
     config_checks.validate(c)
   assert maniskill.get_config().model.value_source == "prefix"  # rgb: the camera is there
+
+
+def test_libero_bench_config():
+  """configs/libero_bench.py: full-size pi0 / pi0.5 next to 32 LIBERO envs, or the tiny pi0."""
+  from configs import libero_bench
+  from jaxvla.models import pi0
+  for model in ("pi0", "pi05", "tiny", "pi0,libero_10/3"):
+    config_checks.validate(libero_bench.get_config(model))
+  full = libero_bench.get_config("pi05,libero_goal/2")
+  assert (full.model.name, full.model.variant, full.model.dtype) == ("pi05", "full", "bfloat16")
+  assert full.model.vocab_size == pi0.PALIGEMMA_VOCAB_SIZE and full.model.tokenizer == "builtin"
+  assert full.env.image_size == full.model.image_size == 224 and full.env.task == "libero_goal/2"
+  assert (full.num_envs, full.env_workers, full.pipeline.rollout_dtype) == (32, 16, "bfloat16")
+  tiny = libero_bench.get_config("tiny")
+  assert (tiny.model.variant, tiny.env.name, tiny.pipeline.streamer) == ("tiny", "libero", True)
+  with pytest.raises(ValueError, match="unknown model 'big' of configs/libero_bench.py"):
+    libero_bench.get_config("big")

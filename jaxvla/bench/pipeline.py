@@ -185,7 +185,10 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: Parts) -> dict:
   stats = pipe.metrics()
   trained_rate = (s1 - s0) / (t1 - t0)
   usable_rate = (r1 - r0 - (d1 - d0)) / (t1 - t0)
-  row = dict(mode=name, pipeline=pipe.mode_name, env_steps_per_s=min(trained_rate, usable_rate),
+  throughput = min(trained_rate, usable_rate)
+  row = dict(mode=name, pipeline=pipe.mode_name, env_steps_per_s=throughput,
+             # (every process's steps over every device: per GPU / TPU chip)
+             env_steps_per_s_per_device=throughput / jax.device_count(),
              trained_env_steps_per_s=trained_rate, usable_rollout_env_steps_per_s=usable_rate,
              rollout_env_steps_per_s=(r1 - r0) / (t1 - t0),
              updates=_UPDATES.value, seconds=t1 - t0,
@@ -309,7 +312,9 @@ def main(argv):
   for name in _MODES.value:
     row = run_mode(base, name, parts)
     base_sps = rows[0]["env_steps_per_s"] if rows else row["env_steps_per_s"]
-    row["speedup_vs_sync_colocated"] = row["env_steps_per_s"] / base_sps
+    # (a window too short for the rollout to produce anything usable reads 0: no ratio)
+    row["speedup_vs_sync_colocated"] = (row["env_steps_per_s"] / base_sps if base_sps > 0
+                                        else float("nan"))
     row["efficiency"] = row["env_steps_per_s"] / rates[slowest]
     rows.append(row)
     print(f"{name:<20}{row['pipeline']:<18}{row['env_steps_per_s']:>12.1f}"

@@ -101,7 +101,11 @@ def test_time_limit_auto_reset_and_group_members_share_init_states():
 
 @pytest.mark.long  # (started first: the step's tests run in parallel)
 def test_training_loop_runs_on_libero(tmp_path):
+  """Training on LIBERO in the full-async pipeline (first-ready batches of the worker
+  pool, the streamed learner), as configs/libero_bench.py runs it next to full pi0."""
   c = libero_config.get_config()
+  c.pipeline.mode, c.pipeline.streamer = "async", True
+  c.ppo.num_epochs, c.ppo.advantage_norm, c.ppo.target_kl = 1, "none", 0.0
   c.total_env_steps = 40
   c.rollout_len = 2
   c.env.max_episode_steps = 10  # one-chunk evaluation episodes (eval runs in-process)
@@ -111,3 +115,4 @@ def test_training_loop_runs_on_libero(tmp_path):
   summary = train.train_and_evaluate(c, str(tmp_path / "run"))
   assert summary["env_steps"] >= 40 and summary["iterations"] >= 1
   assert 0.0 <= summary["success_rate"] <= 1.0
+  assert summary["pipeline"] == "async[L1+L2+L3]"
