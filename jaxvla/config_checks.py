@@ -124,6 +124,8 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
   _require(p.b_max >= 0 and p.b_max <= c.num_envs, "pipeline.b_max",
            f"must be in [0, num_envs={c.num_envs}] (0: half the envs), got {p.b_max}")
   _require(p.t_max_ms >= 0, "pipeline.t_max_ms", f"must be >= 0, got {p.t_max_ms}")
+  _require(1 <= p.min_bucket <= c.num_envs, "pipeline.min_bucket",
+           f"must be in [1, num_envs={c.num_envs}], got {p.min_bucket}")
   _require(p.rollout_dtype in ("", "float32", "bfloat16", "float16"), "pipeline.rollout_dtype",
            f"must be '', 'float32', 'bfloat16' or 'float16', got {p.rollout_dtype!r}")
   _require(not p.rollout_dtype or p.mode != "sync_colocated", "pipeline.rollout_dtype",

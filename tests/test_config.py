@@ -70,6 +70,8 @@ def test_locked_config_rejects_new_fields():
     ("ppo.step_scale", "adaptive", "config.ppo.step_scale"),
     ("ppo.adam_b1", 1.0, "config.ppo.adam_b1"),
     ("ppo.behaviour_clip", 0.5, "config.ppo.behaviour_clip"),
+    ("pipeline.min_bucket", 0, "config.pipeline.min_bucket"),
+    ("pipeline.min_bucket", 99, "config.pipeline.min_bucket"),
 ])
 def test_inconsistent_values_name_the_key(key, value, match):
   c = default.get_config()
@@ -111,6 +113,7 @@ def test_libero_bench_config():
   assert full.model.vocab_size == pi0.PALIGEMMA_VOCAB_SIZE and full.model.tokenizer == "builtin"
   assert full.env.image_size == full.model.image_size == 224 and full.env.task == "libero_goal/2"
   assert (full.num_envs, full.env_workers, full.pipeline.rollout_dtype) == (32, 16, "bfloat16")
+  assert full.pipeline.min_bucket == 8
   tiny = libero_bench.get_config("tiny")
   assert (tiny.model.variant, tiny.env.name, tiny.pipeline.streamer) == ("tiny", "libero", True)
   with pytest.raises(ValueError, match="unknown model 'big' of configs/libero_bench.py"):

@@ -232,6 +232,12 @@ def test_inference_batches_pad_to_buckets():
       1, 2, 4, 4, 8, 8, 12, 12]
   with pytest.raises(ValueError, match="outside"):
     rollout_lib.bucket_size(13, 12)
+  # pipeline.min_bucket: nothing smaller than it, the env count still the largest.
+  assert [rollout_lib.bucket_size(n, 12, minimum=4) for n in (1, 3, 4, 5, 12)] == [
+      4, 4, 4, 8, 12]
+  assert rollout_lib.bucket_sizes(12, minimum=4) == [4, 8, 12]
+  assert rollout_lib.bucket_sizes(32, minimum=8) == [8, 16, 32]
+  assert rollout_lib.bucket_sizes(6, minimum=6) == [6]
   padded = rollout_lib.pad_rows({"x": np.arange(6).reshape(3, 2)}, 4)
   np.testing.assert_array_equal(padded["x"], [[0, 1], [2, 3], [4, 5], [0, 1]])
 

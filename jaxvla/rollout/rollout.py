@@ -82,22 +82,25 @@ class Builder(Protocol):
     items; chunks and env steps count only chunks whose result arrived."""
 
 
-def bucket_size(n: int, limit: int) -> int:
-  """The padded batch size of ``n`` rows: the next power of two, at most ``limit``.
+def bucket_size(n: int, limit: int, minimum: int = 1) -> int:
+  """The padded batch size of ``n`` rows: the next power of two, at least ``minimum``
+  and at most ``limit``.
 
   Args:
     n: rows in the batch, ``1 <= n <= limit``.
     limit: the largest batch (the env count): always a bucket of its own.
+    minimum: the smallest bucket (``pipeline.min_bucket``): fewer programs to compile,
+      where a small batch costs an accelerator as much as a larger one.
   """
   if not 1 <= n <= limit:
     raise ValueError(f"batch of {n} rows is outside [1, {limit}]")
-  return min(1 << (n - 1).bit_length(), limit)
+  return min(max(1 << (n - 1).bit_length(), minimum), limit)
 
 
-def bucket_sizes(limit: int) -> list[int]:
+def bucket_sizes(limit: int, minimum: int = 1) -> list[int]:
   """Every padded batch size :func:`bucket_size` can return for ``limit`` envs."""
-  return sorted({bucket_size(n, limit) for n in (1 << k for k in range(limit.bit_length()))}
-                | {limit})
+  return sorted({bucket_size(n, limit, minimum)
+                 for n in (1 << k for k in range(limit.bit_length()))} | {limit})
 
 
 def pad_rows(tree: Any, size: int) -> Any:
@@ -128,13 +131,15 @@ class Rollout:
     pacer: the :class:`Pacer` of ``staleness_control='pace'``, or None.
     first_ready: ``(b_max, t_max_s)`` to step first-ready batches (level 2);
       None steps every env in lockstep.
+    min_bucket: first-ready inference batches are padded to at least this many rows
+      (:func:`bucket_size`).
   """
 
   def __init__(self, env: protocol.VecEnv, policy: contract.Policy, act_fn: Callable,
                value_fn: Callable, params_fn: Callable[[], tuple[Any, int]],
                builder: Builder, rng: jax.Array, seed: int,
                clock: timing.StageClock | None = None, pacer: pacer_lib.Pacer | None = None,
-               first_ready: tuple[int, float] | None = None):
+               first_ready: tuple[int, float] | None = None, min_bucket: int = 1):
     if first_ready is not None and not isinstance(env, protocol.AsyncVecEnv):
       raise TypeError("first-ready stepping needs an AsyncVecEnv with send / recv (the env "
                       f"pool: config.env_workers > 0), got {type(env).__name__}")
@@ -145,7 +150,7 @@ class Rollout:
       clock = timing.StageClock(STAGES)
       clock.start()
     self.clock = clock
-    self.pacer, self.first_ready = pacer, first_ready
+    self.pacer, self.first_ready, self.min_bucket = pacer, first_ready, min_bucket
     self.episodes = evaluate_lib.EpisodeTracker()
     self.num_acts = 0
     # (env steps, chunks) whose results arrived: produced, in the ledger's terms. One
@@ -252,7 +257,7 @@ class Rollout:
     bucket is compiled up front), the env count in lockstep (the one size it compiles)."""
     if self.first_ready is None:
       return self.env.num_envs
-    return bucket_size(n, self.env.num_envs)
+    return bucket_size(n, self.env.num_envs, self.min_bucket)
 
   def compile_buckets(self, obs: protocol.Observation) -> None:
     """Compiles ``act`` and ``value`` for every bucket size, before they are needed.
@@ -263,7 +268,7 @@ class Rollout:
     params, _ = self.params_fn()
     batch = self.policy.prepare(obs)
     key = jax.random.fold_in(self.rng, 0x7FFFFFFF)
-    sizes = bucket_sizes(self.env.num_envs)
+    sizes = bucket_sizes(self.env.num_envs, self.min_bucket)
     with self.clock.timed("rollout_compile_s"):
       for size in sizes:
         padded = pad_rows(rows(batch, np.arange(min(size, self.env.num_envs))), size)

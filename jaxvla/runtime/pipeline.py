@@ -281,7 +281,7 @@ class Pipeline:
       first_ready = (p.b_max or max(1, config.num_envs // 2), p.t_max_ms / 1000.0)
     self.rollout = rollout_lib.Rollout(env, policy, act_fn, value_fn, params_fn, builder, rng,
                                        seed, clock=self.clock, pacer=self.pacer,
-                                       first_ready=first_ready)
+                                       first_ready=first_ready, min_bucket=p.min_bucket)
     feed = _ThreadFeed if self.levels.train_async else _InlineFeed
     self.feed = feed(self.rollout, self.queue)
     self.interrupted = False
