@@ -14,7 +14,8 @@ throughput is the smaller of the env steps trained and the usable env steps
 produced per second of that window, every process's steps together). Flags
 ``--config``, ``--modes``, ``--updates``, ``--warmup`` and ``--staleness_control``
 are that benchmark's (``--modes`` defaults to ``+rollout_async`` here: asynchronous
-rollout with first-ready env batching; ``--timeline``, with ``+streamer``, is drawn by
+rollout with first-ready env batching, and ``--updates`` to 24; ``--profile`` traces
+every process; ``--timeline``, with ``+streamer``, is drawn by
 process 0 of the last count). ``--processes`` lists the counts (default ``1,2``).
 
 Scaling efficiency of ``P`` processes = throughput(P) / (P / P0 x throughput(P0)),
@@ -64,8 +65,11 @@ from jaxvla.bench import pipeline as bench_pipeline  # noqa: E402
 from jaxvla.envs import make_vec_env  # noqa: E402
 
 FLAGS = flags.FLAGS
-# The pipeline benchmark's flags (defined by that import), with this benchmark's default.
+# The pipeline benchmark's flags (defined by that import), with this benchmark's defaults:
+# 24 timed updates (about 2 minutes per count), since over 8 the slept long tail moved the
+# two-process speedup between 1.77 and 2.05 (docs/multihost.md).
 FLAGS.set_default("modes", ["+rollout_async"])
+FLAGS.set_default("updates", 24)
 
 _PROCESSES = flags.DEFINE_list("processes", ["1", "2"], "Process counts to run, in order.")
 _PROCESS_TIMEOUT_S = flags.DEFINE_float(
