@@ -106,6 +106,7 @@ def test_training_loop_runs_on_libero(tmp_path):
   c = libero_config.get_config()
   c.pipeline.mode, c.pipeline.streamer = "async", True
   c.ppo.num_epochs, c.ppo.advantage_norm, c.ppo.target_kl = 1, "none", 0.0
+  c.ppo.num_minibatches = 1  # (one streamed step per update: fewer programs to compile)
   c.total_env_steps = 40
   c.rollout_len = 2
   c.env.max_episode_steps = 10  # one-chunk evaluation episodes (eval runs in-process)
