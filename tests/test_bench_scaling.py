@@ -1,5 +1,7 @@
 """``python -m jaxvla.bench.scaling`` at a tiny size: both process counts run, and the output
 has its table and its JSON line. Figures are not checked (the machine's load decides them).
+With ``--profile`` (the pipeline benchmark's flag), every process traces one update after
+its timed window into its own folder, and process 0's rows carry the trace's summary.
 
 Run as a subprocess, as a user runs it: the benchmark starts its own processes (one,
 then two joined by ``jax.distributed``), and its flags are the pipeline benchmark's.
@@ -9,6 +11,7 @@ overridden down to two in-process envs and one untimed plus one timed update.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -25,8 +28,9 @@ _TINY = ("--updates=1", "--warmup=1", "--modes=sync_colocated", "--config.num_en
 
 
 @pytest.mark.multihost  # Two processes joined by jax.distributed: the multi-host step.
-def test_scaling_bench_runs_one_and_two_processes():
-  r = subprocess.run([sys.executable, "-m", "jaxvla.bench.scaling", *_TINY], cwd=ROOT,
+def test_scaling_bench_runs_one_and_two_processes(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "jaxvla.bench.scaling", *_TINY,
+                      f"--profile={tmp_path}", "--profile_updates=1"], cwd=ROOT,
                      capture_output=True, text=True, timeout=1100)
   assert r.returncode == 0, r.stderr[-4000:]
   lines = r.stdout.strip().splitlines()
@@ -51,3 +55,17 @@ def test_scaling_bench_runs_one_and_two_processes():
   assert any(line.startswith("# builtin env latency 0 ms") for line in lines)
   table = [line.split() for line in lines if line.startswith("sync_colocated")]
   assert [row[1] for row in table] == ["1", "2"]
+  # Profiles: one folder per process of the two-process run, the summary in the rows.
+  assert one["profile_dir"] == os.path.join(str(tmp_path), "sync_colocated")
+  assert two["profile_dir"] == os.path.join(str(tmp_path), "sync_colocated", "process_0")
+  assert glob.glob(os.path.join(str(tmp_path), "sync_colocated", "process_1", "**",
+                                "*.trace.json.gz"), recursive=True)
+  for row in (one, two):
+    profile = row["profile"]
+    for stage in ("learner", "inference", "env"):
+      assert profile["host_stages"][stage]["count"] >= 1, (stage, profile["host_stages"])
+    assert "compile" not in profile["transfers"], profile["transfers"]  # warm by then
+    device, = profile["devices"].values()  # this process's one CPU device
+    assert {"jit_act", "jit__update"} <= set(device["modules"]), device["modules"]
+    assert 0 < device["busy_fraction"] <= 1
+  assert two["env_steps_per_s_per_device"] == pytest.approx(two["env_steps_per_s"] / 2)
