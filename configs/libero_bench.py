@@ -1,7 +1,7 @@
 """LIBERO env steps/s next to a policy: ``--config=configs/libero_bench.py[:MODEL[,TASK]]``.
 
 The config of the LIBERO throughput benchmark (docs/pipeline.md, "LIBERO next to a
-full-size policy")::
+policy")::
 
   source launch/env.sh
   python -m jaxvla.bench.pipeline --config=configs/libero_bench.py \\
@@ -9,7 +9,7 @@ full-size policy")::
 
 MODEL is ``pi0`` (default) or ``pi05`` at openpi's full size (``configs/openpi.py``:
 bfloat16 compute, remat, 224 px, 32-dim padded state and actions), or ``tiny``: the
-tiny pi0 at 64 px on 2 envs, the same command on a CPU (the tests run it). TASK is a
+tiny pi0 at 64 px on 2 envs, the same command on a CPU. TASK is a
 LIBERO task (default ``libero_spatial/0``).
 
 * The weights are a fresh init: env steps/s do not depend on them. The word
@@ -29,6 +29,7 @@ LIBERO task (default ``libero_spatial/0``).
 import ml_collections
 
 from configs import libero, openpi
+from jaxvla import config_checks
 
 MODELS = (*openpi.MODELS, "tiny")
 
@@ -56,7 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.pipeline.min_bucket = 8
   # What a training run of this config would use (the benchmark sets each mode's switches).
   c.pipeline.mode, c.pipeline.streamer = "async", True
-  c.ppo.num_epochs, c.ppo.advantage_norm, c.ppo.target_kl = 1, "none", 0.0  # the streamer's
+  c.ppo.update(config_checks.STREAMER_PPO)
   c.total_env_steps = 0  # The benchmark runs its own number of updates.
   c.bc.num_steps = 0
   c.log.progress = False

@@ -21,6 +21,11 @@ from jaxvla.envs import protocol
 from jaxvla.models import denoise, lora
 from jaxvla.runtime import pipeline
 
+# The PPO settings the streamer needs (the checks below): one pass over each batch, no
+# minibatch advantage statistics, no KL early stop. Configs and benchmarks that turn the
+# streamer on apply them with ``c.ppo.update(STREAMER_PPO)``.
+STREAMER_PPO = dict(num_epochs=1, advantage_norm="none", target_kl=0.0)
+
 
 def _require(ok: bool, key: str, message: str) -> None:
   if not ok:
@@ -165,13 +170,13 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
            f"must be 'minibatch' or 'none', got {c.ppo.advantage_norm!r}")
   if on and p.streamer:
     items = c.num_envs // m
-    _require(c.ppo.num_epochs == 1, "ppo.num_epochs",
+    _require(c.ppo.num_epochs == STREAMER_PPO["num_epochs"], "ppo.num_epochs",
              "the streamer makes one pass over each batch as it arrives: set ppo.num_epochs=1")
     _require(c.ppo.algorithm == "grpo" or items % c.ppo.num_minibatches == 0,
              "ppo.num_minibatches",
              f"the streamer's minibatches are groups of queue items: num_envs / "
              f"micro_batch_segments = {items} items must divide into {c.ppo.num_minibatches}")
-    _require(c.ppo.advantage_norm == "none", "ppo.advantage_norm",
+    _require(c.ppo.advantage_norm == STREAMER_PPO["advantage_norm"], "ppo.advantage_norm",
              "minibatch statistics are not known until the last micro-batch arrives; the "
              "streamer needs advantage_norm='none'")
-    _require(c.ppo.target_kl == 0, "ppo.target_kl", "the streamer does not support target_kl")
+    _require(c.ppo.target_kl == STREAMER_PPO["target_kl"], "ppo.target_kl", "the streamer does not support target_kl")

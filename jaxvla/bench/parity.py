@@ -33,7 +33,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxvla import train
+from jaxvla import config_checks, train
 
 LEVELS = ("l1", "full")
 KEYS = ("success_rate", "warm_start_success_rate", "staleness_mean", "env_steps",
@@ -71,9 +71,7 @@ def run_config(base: ml_collections.ConfigDict, seed: int, pipeline: str, levels
   c = ml_collections.ConfigDict(base.to_dict())
   c.seed = seed
   if levels == "full":
-    c.ppo.num_epochs = 1
-    c.ppo.advantage_norm = "none"
-    c.ppo.target_kl = 0.0
+    c.ppo.update(config_checks.STREAMER_PPO)
   if staleness is not None:
     p = c.pipeline
     p.mode = "async"

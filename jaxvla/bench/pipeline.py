@@ -98,7 +98,7 @@ def mode_config(base: ml_collections.ConfigDict, name: str) -> ml_collections.Co
     if name == "sync_colocated":  # Rolls out with the learner's own params: nothing to cast.
       c.pipeline.rollout_dtype = ""
     if c.pipeline.streamer:
-      c.ppo.num_epochs, c.ppo.advantage_norm, c.ppo.target_kl = 1, "none", 0.0
+      c.ppo.update(config_checks.STREAMER_PPO)
   config_checks.validate(c)
   return c
 

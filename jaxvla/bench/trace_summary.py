@@ -39,11 +39,15 @@ from jaxvla import timing
 
 Interval = tuple[float, float]
 
-# Host events (names of this JAX version's TraceMe spans) that move arrays.
-HOST_TO_DEVICE = ("shard_args", "DevicePutWithSharding", "H2D Dispatch")
-DEVICE_TO_HOST = ("ArrayImpl.copy_to_host_async", "np.asarray(jax.Array)")
-DEVICE_TO_DEVICE = ("batched_copy_array_to_devices_with_sharding",)
-COMPILE = ("backend_compile_and_load", "lower_sharding_computation")
+# Host events (names of this JAX version's TraceMe spans) that move arrays or compile,
+# and what they count as.
+HOST_CALLS = {
+    "shard_args": "host_to_device", "DevicePutWithSharding": "host_to_device",
+    "H2D Dispatch": "host_to_device",
+    "ArrayImpl.copy_to_host_async": "device_to_host", "np.asarray(jax.Array)": "device_to_host",
+    "batched_copy_array_to_devices_with_sharding": "device_to_device",
+    "backend_compile_and_load": "compile", "lower_sharding_computation": "compile",
+}
 # Lines of a device's timeline that summarise others (not kernels or copies).
 DERIVED_LINES = ("Steps", "XLA Modules", "XLA Ops", "Framework Name Scope",
                  "TensorFlow Name Scope", "Framework Ops", "TensorFlow Ops", "Launch Stats",
@@ -167,10 +171,6 @@ def summarize(events: list[dict], min_gap_ms: float = 1.0, top_gaps: int = 5) ->
   device_pids = {pid for pid, name in process_names.items() if name.startswith("/device:")}
   stages, programs = collections.defaultdict(list), collections.defaultdict(list)
   transfers = collections.defaultdict(list)
-  kinds = dict([(n, "host_to_device") for n in HOST_TO_DEVICE]
-               + [(n, "device_to_host") for n in DEVICE_TO_HOST]
-               + [(n, "device_to_device") for n in DEVICE_TO_DEVICE]
-               + [(n, "compile") for n in COMPILE])
   devices = collections.defaultdict(lambda: dict(
       busy=[], line_modules=collections.defaultdict(list),
       kernel_modules=collections.defaultdict(list), memcpy=collections.defaultdict(list)))
@@ -199,8 +199,8 @@ def summarize(events: list[dict], min_gap_ms: float = 1.0, top_gaps: int = 5) ->
       stages[name[len(timing.TRACE_PREFIX):]].append(iv(e))
     elif (m := _PROGRAM.match(name)):
       programs[m.group(1)].append(iv(e))
-    elif name in kinds:
-      transfers[kinds[name]].append(iv(e))
+    elif name in HOST_CALLS:
+      transfers[HOST_CALLS[name]].append(iv(e))
 
   stage_pieces = {k: merge(v) for k, v in stages.items()}
   out_devices = {}
@@ -214,14 +214,14 @@ def summarize(events: list[dict], min_gap_ms: float = 1.0, top_gaps: int = 5) ->
     idle_while = {k: length(intersect(idle, p)) for k, p in stage_pieces.items()}
     idle_while["(no stage)"] = length(idle) - length(
         intersect(idle, merge(iv for p in stage_pieces.values() for iv in p)))
-    listed = sorted((g for g in idle if (g[1] - g[0]) * 1e3 >= min_gap_ms),
-                    key=lambda g: g[0] - g[1])[:top_gaps]
+    long_gaps = [g for g in idle if (g[1] - g[0]) * 1e3 >= min_gap_ms]
+    listed = sorted(long_gaps, key=lambda g: g[0] - g[1])[:top_gaps]
     out_devices[name] = dict(
         busy_fraction=length(busy) / window if window else 0.0,
         modules={k: length(merge(v)) for k, v in sorted(modules.items())},
         memcpy={k: length(merge(v)) for k, v in sorted(dev["memcpy"].items())},
         idle_s=length(idle),
-        gaps_over_min=sum(1 for g in idle if (g[1] - g[0]) * 1e3 >= min_gap_ms),
+        gaps_over_min=len(long_gaps),
         gaps=[dict(start_s=s - lo, length_ms=1e3 * (e - s),
                    host_stages=sorted(k for k, p in stage_pieces.items()
                                       if _overlapping(p, s, e))) for s, e in listed],
@@ -229,8 +229,8 @@ def summarize(events: list[dict], min_gap_ms: float = 1.0, top_gaps: int = 5) ->
                                key=lambda kv: -kv[1])))
   return dict(window_s=window,
               host_stages={k: _stat(v, window) for k, v in sorted(stages.items())},
-              programs={k: _stat(v, window) for k, v in
-                        sorted(programs.items(), key=lambda kv: -length(merge(kv[1])))},
+              programs=dict(sorted(((k, _stat(v, window)) for k, v in programs.items()),
+                                   key=lambda kv: -kv[1]["busy_s"])),
               transfers={k: _stat(v, window) for k, v in sorted(transfers.items())},
               devices=out_devices)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from configs import libero as libero_config
-from jaxvla import train
+from jaxvla import config_checks, train
 from jaxvla.envs import libero as libero_env
 from jaxvla.envs import make_vec_env
 
@@ -105,7 +105,7 @@ def test_training_loop_runs_on_libero(tmp_path):
   pool, the streamed learner), as configs/libero_bench.py runs it next to full pi0."""
   c = libero_config.get_config()
   c.pipeline.mode, c.pipeline.streamer = "async", True
-  c.ppo.num_epochs, c.ppo.advantage_norm, c.ppo.target_kl = 1, "none", 0.0
+  c.ppo.update(config_checks.STREAMER_PPO)
   c.ppo.num_minibatches = 1  # (one streamed step per update: fewer programs to compile)
   c.total_env_steps = 40
   c.rollout_len = 2
