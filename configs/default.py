@@ -85,6 +85,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.noise_level = 0.5  # flow_sde noise scale a in sigma_t = a sqrt(t / (1 - t)).
   c.model.noise_std_min = 0.05  # flow_noise: lower bound of the learned std.
   c.model.noise_std_max = 0.5  # flow_noise: upper bound of the learned std.
+  # flow_sde / flow_noise (jaxvla/models/denoise.py): 'all' steps stochastic, or 'one'
+  # step per sample drawn at random (piRL's flow-SDE), the others the ODE's; and the
+  # chain's log-prob per dim as the 'sum' over its Gaussian steps or their 'mean'.
+  c.model.sde_steps = "all"  # Stochastic denoise steps: 'all' or 'one'.
+  c.model.log_prob_steps = "sum"  # Chain log-prob over steps: 'sum' or 'mean'.
+  c.model.value_detach = False  # Value head on stop-gradient features (no critic grads in).
   c.model.steer_hidden = 256  # Steered: hidden width of the steering head's two layers.
   c.model.steer_bound = 2.0  # Steered: bound of its mean (noise stds / normalised action units).
   c.model.steer_std_init = 1.0  # Steered: its initial std (latent: 1 is the base policy's noise).
@@ -106,6 +112,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.bc.num_steps = 3500  # Gradient steps of the warm start (0: start RL from scratch).
   c.bc.batch_size = 64  # Warm-start batch size (chunks).
   c.bc.learning_rate = 1e-3  # Warm-start Adam learning rate.
+  c.bc.lr_schedule = "constant"  # 'constant', or 'cosine' decay to 0.1x by bc.num_steps.
 
   # Demonstrations on disk (RLDS / LeRobot; docs/data.md). Fields in jaxvla/data/config.py.
   c.data = data_config.get_config()  # Demonstrations on disk ('' path: record the expert).
@@ -132,6 +139,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # too (token-level PPO); 'mean': the geometric mean over the terms, GSPO-style.
   c.ppo.ratio = "per_term_correction"  # 'per_term_correction', 'joint', 'per_term' or 'mean'.
   c.ppo.value_coef = 0.5  # Weight of the value loss.
+  c.ppo.value_loss = "mse"  # Critic loss of the error: 'mse' (0.5 e^2) or 'huber'.
+  c.ppo.huber_delta = 10.0  # 'huber': quadratic within this error, linear beyond.
+  c.ppo.value_clip = 0.0  # Clip the value's move from the rollout's, PPO2-style (0: off).
+  c.ppo.value_learning_rate = 0.0  # Critic (rl/value_*) Adam learning rate (0: learning_rate).
+  c.ppo.critic_warmup_steps = 0  # First RL optimizer steps that train the critic alone.
   c.ppo.entropy_coef = 0.0  # Weight of the sampler-entropy bonus (matters for flow_noise).
   c.ppo.num_epochs = 2  # Passes over each rollout.
   c.ppo.num_minibatches = 4  # Minibatches per pass.

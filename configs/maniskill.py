@@ -15,6 +15,19 @@ Variants:
           suite's learning run (tests/test_learning.py): PushCube-v1 from 20
           demonstrations, then 80k RL env steps at a 3x larger step.
 
+The RL method of ``sft_rl`` / ``sft_rl_short`` (``VARIANT,METHOD``, e.g.
+``sft_rl_short,pirl_sde``; docs/maniskill.md, "Methods"), every one from the same SFT:
+  residual    a Gaussian residual head over the frozen flow (the default).
+  latent      DSRL: a head that draws the frozen flow's initial noise.
+  flow_sde    the whole flow through its 4-step SDE chain (every step stochastic,
+              the joint log-prob of 4 x 5 x 8 Gaussians).
+  pirl_sde    piRL's flow-SDE (RLinf): one random denoise step per sample is the SDE's,
+              the log-prob that step's, token-level (per action dim) ratios, a detached
+              critic with its own step size, value clip 0.2 and the Huber loss.
+  pirl_noise  piRL's flow-noise: every step stochastic with a learned std in [0.08,
+              0.16], the log-prob the mean over the chain's densities, the same critic.
+  grpo        GRPO on pirl_sde's sampler: groups of 8 envs share an episode's start.
+
 Pick the task with ``--config.env.task=StackCube-v1`` (tasks with a planner solution:
 PickCube, PushCube, StackCube, PullCube, LiftPegUpright, PlaceSphere, PegInsertionSide).
 Everything not set here is ``configs/default.py``.
@@ -25,13 +38,17 @@ import ml_collections
 from configs import default
 
 VARIANTS = ("", "state", "sft_rl", "sft_rl_short")
+METHODS = ("residual", "latent", "flow_sde", "pirl_sde", "pirl_noise", "grpo")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  variant = arg or ""
+  variant, _, method = (arg or "").partition(",")
   if variant not in VARIANTS:
     raise ValueError(f"unknown variant {variant!r} of configs/maniskill.py; choose one of "
                      f"{[v for v in VARIANTS if v]}")
+  if method and (variant not in ("sft_rl", "sft_rl_short") or method not in METHODS):
+    raise ValueError(f"unknown method {method!r} of configs/maniskill.py:{variant}; the "
+                     f"sft_rl variants take one of {METHODS}")
   c = default.get_config()
   c.total_env_steps = 20_000  # Budget: RL env steps of the whole run.
   c.num_envs = 4  # ManiSkill CPU instances.
@@ -113,4 +130,44 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.total_env_steps = 80_000
     c.eval.every_iters = 1000  # At the start and the end only.
     c.checkpoint.every_iters = 1000
+  if method:
+    _set_method(c, method)
   return c
+
+
+def _set_method(c: ml_collections.ConfigDict, method: str) -> None:
+  """The RL method's settings over the ``sft_rl`` recipe (the module docstring)."""
+  m, ppo = c.model, c.ppo
+  if method == "residual":
+    return
+  if method == "latent":
+    m.train_sampler, m.eval_sampler = "latent", "latent_mean"
+    m.steer_std_init = 1.0  # The base policy's N(0, 1) noise.
+    ppo.learning_rate = 1e-4
+    return
+  # The whole flow trains, evaluated with its deterministic ODE sampler.
+  m.eval_sampler = "ode"
+  if method == "flow_sde":
+    m.train_sampler = "flow_sde"
+    ppo.learning_rate = 1e-5  # (KL 0.014 per update at 1e-5; docs/maniskill.md)
+    return
+  # piRL's recipe (RLinf's maniskill_ppo_openpi*.yaml and openpi_action_model.py): the
+  # executed dims' token-level ratios, a critic on detached features with a 20x larger
+  # step, value clip 0.2 and the Huber loss (delta 10).
+  ppo.ratio = "per_term"
+  m.value_detach = True
+  ppo.value_learning_rate = 1e-4
+  ppo.learning_rate = 1e-5
+  ppo.value_clip = 0.2
+  ppo.value_loss = "huber"
+  ppo.huber_delta = 10.0
+  if method in ("pirl_sde", "grpo"):
+    m.train_sampler, m.sde_steps = "flow_sde", "one"
+  if method == "pirl_noise":
+    m.train_sampler, m.log_prob_steps = "flow_noise", "mean"
+    m.noise_std_min, m.noise_std_max = 0.08, 0.16
+    ppo.entropy_coef = 0.005
+  if method == "grpo":
+    ppo.algorithm = "grpo"
+    c.env.group_size = 8  # 16 envs: 2 groups of 8 per update.
+    ppo.value_clip = 0.0  # (GRPO has no critic)

@@ -18,6 +18,7 @@ from jaxvla import distributed, sharding
 from jaxvla.algorithms import grpo, ppo
 from jaxvla.data import config as data_config
 from jaxvla.envs import protocol
+from jaxvla.learner import learner
 from jaxvla.models import denoise, lora
 from jaxvla.runtime import pipeline
 
@@ -60,6 +61,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.ppo.max_bad_updates >= 1, "ppo.max_bad_updates",
            f"must be >= 1, got {c.ppo.max_bad_updates}")
   _require(c.bc.num_steps >= 0, "bc.num_steps", f"must be >= 0, got {c.bc.num_steps}")
+  learner.bc_learning_rate(c.bc)  # (the owner of the bc.lr_schedule check; raises naming it)
   _require(c.bc.num_steps == 0 or c.bc.num_episodes >= 1, "bc.num_episodes",
            "must be >= 1 when bc.num_steps > 0")
   _require(c.eval.every_iters >= 1, "eval.every_iters", "must be >= 1")
@@ -160,6 +162,11 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
   ppo.check_ratio(c.ppo.ratio)  # (the owner of the ppo.ratio check; raises naming it)
   ppo.step_scale(c.ppo.step_scale, dict(is_weight=1.0, is_weight_sq=1.0, lag=0.0))  # (likewise)
   ppo.check_behaviour_clip(c.ppo.behaviour_clip)  # (likewise)
+  ppo.check_value_loss(c.ppo.value_loss, c.ppo.huber_delta, c.ppo.value_clip)  # (likewise)
+  _require(c.ppo.value_learning_rate >= 0, "ppo.value_learning_rate",
+           f"must be >= 0 (0: ppo.learning_rate), got {c.ppo.value_learning_rate}")
+  _require(c.ppo.critic_warmup_steps >= 0, "ppo.critic_warmup_steps",
+           f"must be >= 0, got {c.ppo.critic_warmup_steps}")
   _require(0.0 <= c.ppo.adam_b1 < 1.0, "ppo.adam_b1", f"must be in [0, 1), got {c.ppo.adam_b1}")
   _require(c.ppo.value_targets in ("rollout", "learner", "vtrace"), "ppo.value_targets",
            f"must be 'rollout', 'learner' or 'vtrace', got {c.ppo.value_targets!r}")

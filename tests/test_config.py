@@ -70,6 +70,14 @@ def test_locked_config_rejects_new_fields():
     ("ppo.step_scale", "adaptive", "config.ppo.step_scale"),
     ("ppo.adam_b1", 1.0, "config.ppo.adam_b1"),
     ("ppo.behaviour_clip", 0.5, "config.ppo.behaviour_clip"),
+    ("bc.lr_schedule", "linear", "config.bc.lr_schedule"),
+    ("model.sde_steps", "two", "config.model.sde_steps"),
+    ("model.log_prob_steps", "max", "config.model.log_prob_steps"),
+    ("ppo.value_loss", "l1", "config.ppo.value_loss"),
+    ("ppo.huber_delta", 0.0, "config.ppo.huber_delta"),
+    ("ppo.value_clip", -0.2, "config.ppo.value_clip"),
+    ("ppo.value_learning_rate", -1e-4, "config.ppo.value_learning_rate"),
+    ("ppo.critic_warmup_steps", -1, "config.ppo.critic_warmup_steps"),
     ("pipeline.min_bucket", 0, "config.pipeline.min_bucket"),
     ("pipeline.min_bucket", 99, "config.pipeline.min_bucket"),
 ])
@@ -81,6 +89,13 @@ def test_inconsistent_values_name_the_key(key, value, match):
     node = node[p]
   node[last] = value
   with pytest.raises(ValueError, match=match):
+    config_checks.validate(c)
+
+
+def test_one_sde_step_needs_a_gaussian_flow_sampler():
+  c = default.get_config()
+  c.model.train_sampler, c.model.eval_sampler, c.model.sde_steps = "residual", "ode", "one"
+  with pytest.raises(ValueError, match="config.model.sde_steps='one'.*flow_sde"):
     config_checks.validate(c)
 
 
@@ -100,6 +115,26 @@ def test_a_state_only_env_needs_a_value_that_sees_the_state():
   with pytest.raises(ValueError, match="config.model.value_source: 'prefix' cannot see the state"):
     config_checks.validate(c)
   assert maniskill.get_config().model.value_source == "prefix"  # rgb: the camera is there
+
+
+def test_maniskill_rl_methods():
+  """configs/maniskill.py:sft_rl[_short],METHOD: each method of the method table is a valid
+  config on the same SFT recipe; piRL's flow-SDE takes one stochastic step per sample."""
+  from configs import maniskill  # pylint: disable=import-outside-toplevel
+  for variant in ("sft_rl", "sft_rl_short"):
+    base = maniskill.get_config(variant)
+    for method in maniskill.METHODS:
+      c = maniskill.get_config(f"{variant},{method}")
+      config_checks.validate(c)
+      assert (c.bc.to_dict(), c.data.to_dict(), c.env.task) == (
+          base.bc.to_dict(), base.data.to_dict(), base.env.task), method  # the same SFT
+  assert maniskill.get_config("sft_rl_short,residual").to_dict() == base.to_dict()
+  pirl = maniskill.get_config("sft_rl_short,pirl_sde")
+  assert (pirl.model.train_sampler, pirl.model.sde_steps, pirl.model.eval_sampler) == (
+      "flow_sde", "one", "ode")
+  for bad in ("sft_rl_short,dsrl", "state,pirl_sde"):
+    with pytest.raises(ValueError, match="unknown method"):
+      maniskill.get_config(bad)
 
 
 def test_libero_bench_config():

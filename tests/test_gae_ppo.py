@@ -4,11 +4,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from jaxvla.algorithms import gae, ppo
 from jaxvla.learner import objectives
 from jaxvla.models import contract
+
+CRITIC = dict(value_loss="mse", huber_delta=10.0, value_clip=0.0)  # ppo's critic-loss keys
 
 
 def numpy_gae(rewards, values, dones, bootstrap, gamma, lam):
@@ -205,6 +208,56 @@ def test_ppo_loss_matches_numpy():
   np.testing.assert_allclose(metrics["clip_frac"], np.mean(np.abs(ratio - 1) > 0.2), rtol=1e-6)
 
 
+@pytest.mark.parametrize("value_loss,value_clip", [("mse", 0.2), ("huber", 0.0),
+                                                   ("huber", 0.2)])
+def test_value_loss_huber_and_clip_match_numpy(value_loss, value_clip):
+  """RLinf's critic loss: max(huber(R - V), huber(R - V_clip)), V_clip = V_old +
+  clip(V - V_old, +-c); Huber 0.5 e^2 within delta, delta (|e| - delta / 2) beyond."""
+  rng = np.random.default_rng(2)
+  n, delta = 64, 1.5
+  val, ret, old = rng.normal(size=n), 3 * rng.normal(size=n), rng.normal(size=n)
+  if value_loss == "mse":
+    err = lambda e: 0.5 * e**2
+  else:
+    err = lambda e: np.where(np.abs(e) <= delta, 0.5 * e**2, delta * (np.abs(e) - 0.5 * delta))
+  ref = err(val - ret)
+  if value_clip:
+    ref = np.maximum(ref, err(old + np.clip(val - old, -value_clip, value_clip) - ret))
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  zeros = jnp.zeros(n)
+  _, metrics = ppo.ppo_loss(zeros, zeros, zeros, f32(val), f32(ret), zeros, clip_eps=0.2,
+                            value_coef=0.5, entropy_coef=0.0, old_value=f32(old),
+                            value_loss=value_loss, huber_delta=delta, value_clip=value_clip)
+  np.testing.assert_allclose(metrics["value_loss"], ref.mean(), rtol=1e-5)
+  with pytest.raises(ValueError, match="needs the rollout's values"):
+    ppo.ppo_loss(zeros, zeros, zeros, f32(val), f32(ret), zeros, clip_eps=0.2, value_coef=0.5,
+                 entropy_coef=0.0, value_clip=0.2)
+
+
+def test_critic_learning_rate_and_warmup():
+  """ppo.value_learning_rate and ppo.critic_warmup_steps: the critic (rl/value_*) has its
+  own Adam and step size, and the actor stands still for the warm-up's steps."""
+  from jaxvla.learner import learner as learner_lib  # pylint: disable=import-outside-toplevel
+  params = {"rl": {"value_out": {"kernel": jnp.zeros(3)}, "std_out": {"kernel": jnp.zeros(3)}},
+            "action_out_proj": {"kernel": jnp.zeros(3)}}
+  grads = jax.tree.map(lambda x: x + 1e-3, params)
+  tx = learner_lib.make_optimizer(1e-5, 1.0, critic_learning_rate=1e-3, critic_warmup_steps=2)
+  state = tx.init(params)
+  moved = []
+  for _ in range(3):
+    updates, state = tx.update(grads, state, params)
+    moved.append(jax.tree.map(lambda u: float(jnp.abs(u).max()), updates))
+  for step, m in enumerate(moved):
+    np.testing.assert_allclose(m["rl"]["value_out"]["kernel"], 1e-3, rtol=1e-3)  # Adam: ~lr
+    actor = 0.0 if step < 2 else 1e-5
+    for leaf in (m["rl"]["std_out"]["kernel"], m["action_out_proj"]["kernel"]):
+      np.testing.assert_allclose(leaf, actor, rtol=1e-3, atol=1e-12)
+  # Neither: one Adam over all, the optimizer state of earlier checkpoints.
+  one_adam = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-5))
+  assert jax.tree.structure(learner_lib.make_optimizer(1e-5, 1.0).init(params)) == (
+      jax.tree.structure(one_adam.init(params)))
+
+
 def test_ppo_clipping_stops_gradient_beyond_clip():
   adv = jnp.ones(4)
   grad = jax.grad(lambda lp: ppo.ppo_loss(lp, jnp.zeros(4), adv, jnp.zeros(4), jnp.zeros(4),
@@ -235,10 +288,11 @@ def test_mean_ratio_is_the_geometric_mean_of_the_terms(algorithm):
   cfg = ml_collections.ConfigDict(dict(
       algorithm=algorithm, ratio="mean", advantage_norm="none", gamma=0.99, gae_lambda=0.95,
       clip_eps=0.2, value_coef=0.0, entropy_coef=0.0, correction="none", is_clip=0.0,
-      behaviour_clip=0.0, loss_normalizer="chunks"))
+      behaviour_clip=0.0, loss_normalizer="chunks", **CRITIC))
   objective = objectives.make_objective(_FixedLogProbs(), cfg)
   if algorithm == "ppo":
-    rows = dict(batch={}, chain=jnp.zeros(n), log_prob=old_lp, adv=adv, returns=jnp.zeros(n))
+    rows = dict(batch={}, chain=jnp.zeros(n), log_prob=old_lp, adv=adv, returns=jnp.zeros(n),
+                value=jnp.zeros(n))
     weights = objective.weights(rows)
   else:  # Episodes of one chunk each.
     rows = dict(batch={}, chain=jnp.zeros((n, 1)), log_prob=old_lp[:, None],
@@ -291,7 +345,7 @@ def test_learner_value_targets_and_staleness_diagnostics(value_targets):
   cfg = ml_collections.ConfigDict(dict(
       algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets=value_targets,
       correction="decoupled", num_epochs=2, num_minibatches=2, clip_eps=0.2, value_coef=0.5,
-      entropy_coef=0.0, is_clip=2.0, behaviour_clip=0.0))
+      entropy_coef=0.0, is_clip=2.0, behaviour_clip=0.0, **CRITIC))
   objective = objectives.PPOObjective(_TableCritic(), cfg)
   params = dict(lp=jnp.asarray(f32(t_len * b)), v=jnp.asarray(f32(t_len * b)))
   rows = update._with_proximal(objective, params, traj, objective.rows(traj),  # pylint: disable=protected-access
@@ -354,7 +408,7 @@ class _OneStep:
         algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets="rollout",
         correction="decoupled", num_epochs=1, num_minibatches=1, clip_eps=0.2,
         value_coef=0.5, entropy_coef=0.0, is_clip=2.0, behaviour_clip=0.0, advantage_norm="none",
-        target_kl=0.0, step_scale=step_scale))
+        target_kl=0.0, step_scale=step_scale, **CRITIC))
     tx = optax.sgd(0.1)
     new, _, metrics = update.epochs_update(objectives.PPOObjective(_TableCritic(), cfg), tx,
                                            cfg, self.params, tx.init(self.params), traj,
@@ -425,7 +479,7 @@ def test_fresh_data_skips_the_proximal_pass_and_is_the_same_update():
       algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets="rollout",
       correction="decoupled", num_epochs=2, num_minibatches=2, clip_eps=0.2,
       value_coef=0.5, entropy_coef=0.0, is_clip=2.0, behaviour_clip=2.0,
-      advantage_norm="minibatch", target_kl=0.0, step_scale="none"))
+      advantage_norm="minibatch", target_kl=0.0, step_scale="none", **CRITIC))
   tx = optax.sgd(1.0)  # (large: the later steps' ratios leave the clip range)
   run = lambda fresh: update.epochs_update(
       objectives.PPOObjective(_TableCritic(), cfg), tx, cfg, params, tx.init(params), traj,

@@ -296,7 +296,7 @@ def test_streamed_grpo_equals_the_update(monkeypatch, normalizer, ratio):
   does not depend on the network, and its compiles take a second, not 20).
   Adam's eps is 1e-3 (see test_pipeline's streamer test for why).
   """
-  monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip, b1=0.9: optax.chain(
+  monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip, b1=0.9, **_: optax.chain(
       optax.clip_by_global_norm(clip), optax.adam(lr, b1=b1, eps=1e-3)))
   _, _, _, items, _ = _collect()
   eb0 = items[0].data

@@ -331,7 +331,7 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
   float32 rounding moves by +-lr depending on the rounding of two summation
   orders, which would test Adam's conditioning, not the accumulation.
   """
-  monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip, b1=0.9: optax.chain(
+  monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip, b1=0.9, **_: optax.chain(
       optax.clip_by_global_norm(clip), optax.adam(lr, b1=b1, eps=1e-3)))
   c, env, pol, params, act, value = _setup(
       num_envs=4, **{"ppo.num_epochs": 1, "ppo.num_minibatches": 2,

@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
 
 CORRECTIONS = ("none", "decoupled", "truncated_is")
 
@@ -181,6 +182,41 @@ def _term_corrected_terms(new_log_prob: jax.Array, old_log_prob: jax.Array,
   return (loss, log_ratio, w, truncated.astype(jnp.float32), held.astype(jnp.float32))
 
 
+VALUE_LOSSES = ("mse", "huber")
+
+
+def check_value_loss(value_loss: str, huber_delta: float, value_clip: float) -> None:
+  """Raises ValueError naming the ``config.ppo`` key of a bad critic-loss setting."""
+  if value_loss not in VALUE_LOSSES:
+    raise ValueError(f"config.ppo.value_loss must be one of {VALUE_LOSSES}, got {value_loss!r}")
+  if not huber_delta > 0:
+    raise ValueError(f"config.ppo.huber_delta must be > 0, got {huber_delta}")
+  if not value_clip >= 0:
+    raise ValueError(f"config.ppo.value_clip must be >= 0 (0: off), got {value_clip}")
+
+
+def value_errors(new_value: jax.Array, returns: jax.Array, old_value: jax.Array | None, *,
+                 value_loss: str = "mse", huber_delta: float = 10.0,
+                 value_clip: float = 0.0) -> jax.Array:
+  """The critic's loss per chunk ``[N]``: ``0.5 e^2`` ('mse') or the Huber loss of the
+  error ``e = V - R`` (quadratic within ``huber_delta``, linear beyond); with
+  ``value_clip > 0``, PPO2's pessimistic clip, the larger of that loss and the loss of
+  ``old_value + clip(V - old_value, -value_clip, value_clip)`` (``old_value``: the
+  rollout's values, as RLinf's and openai/baselines' critics)."""
+  check_value_loss(value_loss, huber_delta, value_clip)
+  if value_loss == "mse":
+    err = lambda v: 0.5 * jnp.square(v - returns)
+  else:
+    err = lambda v: optax.huber_loss(v, returns, delta=huber_delta)
+  loss = err(new_value)
+  if value_clip > 0:
+    if old_value is None:
+      raise ValueError("config.ppo.value_clip > 0 needs the rollout's values (old_value)")
+    clipped = old_value + jnp.clip(new_value - old_value, -value_clip, value_clip)
+    loss = jnp.maximum(loss, err(clipped))
+  return loss
+
+
 def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array,
              new_value: jax.Array, returns: jax.Array, entropy: jax.Array, *,
              clip_eps: float, value_coef: float, entropy_coef: float,
@@ -188,7 +224,10 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
              proximal_log_prob: jax.Array | None = None,
              is_clip: float = 0.0,
              behaviour_clip: float = 0.0,
-             term_ratio: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+             term_ratio: bool = True,
+             old_value: jax.Array | None = None, value_loss: str = "mse",
+             huber_delta: float = 10.0,
+             value_clip: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO loss over a (micro-)batch of ``N`` chunks, as a weighted sum.
 
   With ``[N]`` log-probs every ratio is between log-probabilities of the whole chunk
@@ -230,10 +269,13 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
       gives no gradient (module docstring).
     term_ratio: with ``[N, M]`` log-probs, whether PPO's ratio and clip are per term
       (True) or over the chunk with the correction per term (False).
+    old_value, value_loss, huber_delta, value_clip: the critic's loss per chunk
+      (:func:`value_errors`; ``old_value [N]``, the rollout's values, only read with
+      ``value_clip > 0``).
 
   Returns:
     the scalar loss and scalar diagnostics: ``policy_loss``, ``value_loss``
-    (``0.5 * sum w (v - R)^2``), ``entropy``, ``approx_kl`` (k3 estimate of the
+    (``sum w l(v - R)``, ``l`` of :func:`value_errors`), ``entropy``, ``approx_kl`` (k3 estimate of the
     KL between the current policy and the ratio's reference: behaviour, or
     proximal for "decoupled"), ``clip_frac`` (weight of chunks whose ratio left
     ``[1 - clip_eps, 1 + clip_eps]``), ``is_weight`` (weighted mean importance
@@ -265,6 +307,8 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
   live_or_zero = lambda x: jnp.where(live[:, None] if x.ndim == 2 else live, x, 0.0)
   new_log_prob, old_log_prob, advantages, new_value, returns, entropy = map(
       live_or_zero, (new_log_prob, old_log_prob, advantages, new_value, returns, entropy))
+  if old_value is not None:
+    old_value = live_or_zero(old_value)
   proximal = (new_log_prob if proximal_log_prob is None
               else live_or_zero(jax.lax.stop_gradient(proximal_log_prob)))
   wsum = lambda x: jnp.sum(jnp.where(live, weights * x, 0.0))
@@ -283,7 +327,8 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
         clip_eps=clip_eps, is_clip=is_clip, behaviour_clip=behaviour_clip)
   ratio = jnp.exp(log_ratio)
   policy_loss = wsum(chunk_sum(pg))
-  value_loss = 0.5 * wsum(jnp.square(new_value - returns))
+  value_loss = wsum(value_errors(new_value, returns, old_value, value_loss=value_loss,
+                                 huber_delta=huber_delta, value_clip=value_clip))
   entropy_sum = wsum(entropy)
   loss = policy_loss + value_coef * value_loss - entropy_coef * entropy_sum
   metrics = dict(
@@ -344,4 +389,5 @@ def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
               entropy_coef=config.entropy_coef,
               correction=config.correction,
               is_clip=config.is_clip, behaviour_clip=config.behaviour_clip,
-              term_ratio=config.ratio == "per_term")
+              term_ratio=config.ratio == "per_term", value_loss=config.value_loss,
+              huber_delta=config.huber_delta, value_clip=config.value_clip)

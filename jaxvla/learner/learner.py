@@ -69,10 +69,59 @@ class TrainState:
   rng: jax.Array
 
 
-def make_optimizer(learning_rate: float, max_grad_norm: float,
-                   b1: float = 0.9) -> optax.GradientTransformation:
-  """Global-norm clipping, then Adam (``b1``: its first-moment decay, the momentum)."""
-  return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate, b1=b1))
+BC_SCHEDULES = ("constant", "cosine")
+BC_COSINE_FLOOR = 0.1  # 'cosine' ends at this fraction of bc.learning_rate
+
+
+def bc_learning_rate(bc_config: ml_collections.ConfigDict) -> float | optax.Schedule:
+  """The warm start's step size: ``bc.learning_rate`` throughout ('constant'), or decayed
+  along a cosine to :data:`BC_COSINE_FLOOR` of it at ``bc.num_steps`` ('cosine').
+
+  Raises:
+    ValueError: naming ``config.bc.lr_schedule`` if it is not one of :data:`BC_SCHEDULES`.
+  """
+  if bc_config.lr_schedule not in BC_SCHEDULES:
+    raise ValueError(f"config.bc.lr_schedule must be one of {BC_SCHEDULES}, got "
+                     f"{bc_config.lr_schedule!r}")
+  if bc_config.lr_schedule == "constant" or bc_config.num_steps < 1:
+    return bc_config.learning_rate
+  return optax.cosine_decay_schedule(bc_config.learning_rate, bc_config.num_steps,
+                                     alpha=BC_COSINE_FLOOR)
+
+
+CRITIC_PREFIX = "rl/value_"  # the value head's parameters (every policy family's)
+
+
+def make_optimizer(learning_rate: float, max_grad_norm: float, b1: float = 0.9, *,
+                   critic_learning_rate: float = 0.0,
+                   critic_warmup_steps: int = 0) -> optax.GradientTransformation:
+  """Global-norm clipping, then Adam (``b1``: its first-moment decay, the momentum).
+
+  With ``critic_learning_rate > 0`` or ``critic_warmup_steps > 0`` (``ppo.value_*``,
+  RLinf's ``value_lr`` and critic warm-up) the critic (:data:`CRITIC_PREFIX`) and the
+  actor (every other trained parameter) have Adams of their own: the critic's at
+  ``critic_learning_rate`` (0: ``learning_rate``), the actor's at ``learning_rate``
+  after its first ``critic_warmup_steps`` optimizer steps, at 0 before them (the
+  global-norm clip still sees both gradients). Without either, one Adam over all.
+  """
+  clip = optax.clip_by_global_norm(max_grad_norm)
+  if not critic_learning_rate and not critic_warmup_steps:
+    return optax.chain(clip, optax.adam(learning_rate, b1=b1))
+  actor_lr = learning_rate
+  if critic_warmup_steps:
+    actor_lr = optax.join_schedules(
+        [optax.constant_schedule(0.0), optax.constant_schedule(learning_rate)],
+        [critic_warmup_steps])
+  critic = optax.adam(critic_learning_rate or learning_rate, b1=b1)
+  return optax.chain(clip, optax.multi_transform(
+      {"actor": optax.adam(actor_lr, b1=b1), "critic": critic}, _actor_critic_labels))
+
+
+def _actor_critic_labels(params: contract.Params) -> contract.Params:
+  """``'critic'`` for the value head's leaves (:data:`CRITIC_PREFIX`), ``'actor'`` else."""
+  path_of = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "critic" if path_of(path).startswith(CRITIC_PREFIX) else "actor", params)
 
 
 def init_state(params: contract.Params, tx: optax.GradientTransformation,
@@ -180,10 +229,12 @@ class Learner:
     self.rl_trainable = (trainable_lib.Trainable.rl_heads() if policy.rl_heads_only
                          else self.trainable)
     self.bc_tx = trainable_lib.train_only(
-        make_optimizer(bc_config.learning_rate, ppo_config.max_grad_norm), self.trainable)
+        make_optimizer(bc_learning_rate(bc_config), ppo_config.max_grad_norm), self.trainable)
     self.ppo_tx = trainable_lib.train_only(
         make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm,
-                       b1=ppo_config.adam_b1), self.rl_trainable)
+                       b1=ppo_config.adam_b1,
+                       critic_learning_rate=ppo_config.value_learning_rate,
+                       critic_warmup_steps=ppo_config.critic_warmup_steps), self.rl_trainable)
     self.num_processes = jax.process_count()
     if mesh is None:
       if self.num_processes > 1:

@@ -173,7 +173,8 @@ class PPOObjective:
     s = _log_prob_scale(self.policy, self.cfg)
     loss, metrics = ppo.ppo_loss(s * log_prob, s * rows["log_prob"], a, ev.value,
                                  rows["returns"], ev.entropy, weights=weights,
-                                 proximal_log_prob=s * proximal, **ppo.loss_kwargs(self.cfg))
+                                 proximal_log_prob=s * proximal, old_value=rows["value"],
+                                 **ppo.loss_kwargs(self.cfg))
     return loss, dict(metrics, loss=loss)
 
   def batch_metrics(self, traj: types.Trajectory, rows: dict) -> dict:
@@ -271,7 +272,7 @@ class GRPOObjective:
     loss, metrics = ppo.ppo_loss(
         s * log_prob, s * flat(rows["log_prob"]), adv, zeros, zeros, ev.entropy,
         weights=weights.reshape(-1), proximal_log_prob=s * proximal,
-        **dict(ppo.loss_kwargs(self.cfg), value_coef=0.0))
+        **dict(ppo.loss_kwargs(self.cfg), value_coef=0.0, value_clip=0.0))
     del metrics["value_loss"]
     return loss, dict(metrics, loss=loss)
 

@@ -69,6 +69,7 @@ class ActionTokenConfig:
   dtype: str
   remat: bool
   value_hidden: int
+  value_detach: bool = False  # as pi0.Pi0Config.value_detach
 
   @classmethod
   def from_config(cls, model: ml_collections.ConfigDict, *, image_size: int, num_cameras: int,
@@ -107,7 +108,8 @@ class ActionTokenConfig:
     return cls(llm=llm, vit=vit, image_size=model.image_size or image_size,
                num_cameras=num_cameras, action_dim=action_dim, chunk_len=model.chunk_len,
                num_bins=num_bins, vocab_size=vocab, bos_id=tok.bos_id, dtype=model.dtype,
-               remat=model.remat, value_hidden=model.value_hidden)
+               remat=model.remat, value_hidden=model.value_hidden,
+               value_detach=model.value_detach)
 
   @property
   def compute_dtype(self):
@@ -186,6 +188,8 @@ def value(cfg: ActionTokenConfig, p: dict, prefix_hidden: jax.Array,
   """State value ``[B]`` from the masked mean of prefix outputs ``[B, P, D]`` (mask ``[B, P]``)."""
   m = prefix_mask[..., None].astype(jnp.float32)
   pooled = (prefix_hidden.astype(jnp.float32) * m).sum(1) / jnp.maximum(m.sum(1), 1.0)
+  if cfg.value_detach:
+    pooled = jax.lax.stop_gradient(pooled)
   h = jax.nn.gelu(layers.apply_dense(p["rl"]["value_hidden"], pooled))
   return layers.apply_dense(p["rl"]["value_out"], h)[:, 0]
 

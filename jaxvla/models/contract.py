@@ -58,10 +58,12 @@ class ActOutput:
   Attributes:
     actions: ``[B, H, A]`` the chunk to execute (the env's action dims).
     chain: ``[B, K + 1, H, A_net]`` the sampler chain (flow policies: every denoise
-      state, noise first; action-token policies: ``[B, 1, H, A]`` bin indices).
+      state, noise first, and one more entry for some samplers, see
+      ``FlowPolicy.act``; action-token policies: ``[B, 1, H, A]`` bin indices).
     log_prob: ``[B]`` log-probability of the chain (zeros in deterministic mode).
-    log_prob_dims: ``[B, H, A_net]`` the same per action dimension (summed over
-      denoise steps; zero on padded dims), so ``log_prob = log_prob_dims.sum((1, 2))``.
+    log_prob_dims: ``[B, H, A_net]`` the same per action dimension (over the denoise
+      steps as ``model.log_prob_steps`` says; zero on padded dims), so
+      ``log_prob = log_prob_dims.sum((1, 2))``.
     value: ``[B]`` state value.
   """
   actions: jax.Array

@@ -14,6 +14,23 @@ does not depend on the parameters and is left out). Modes:
   form), ``sigma_t = noise_level * sqrt(t / (1 - t))`` and an Euler-Maruyama step.
 * ``flow_noise``: Euler mean with a learned, bounded std per action dimension.
 
+Which steps are stochastic and how their log-densities combine (``config.model``):
+
+* ``sde_steps='all'``: every step is a Gaussian transition (the default).
+  ``sde_steps='one'`` (πRL's flow-SDE with ``joint_logprob: False``, RLinf's
+  ``openpi_action_model.py``): per sample one step ``k``, drawn uniformly from
+  ``0 .. K-1``, is the Gaussian one and the others are the ODE's Euler steps; the
+  chain's log-density is that one step's. ``k`` is stored with the chain, as one more
+  entry ``chain[:, K + 1]`` filled with ``k`` (a float), so the learner re-scores the
+  same step: one network pass instead of ``K``.
+* ``log_prob_steps='sum'``: the chain's per-dimension log-density is the sum over its
+  Gaussian steps (the exact density). ``'mean'`` (πRL's flow-noise with
+  ``joint_logprob: True``): the mean over the chain's ``K + 1`` densities, the initial
+  ``N(0, 1)`` noise's and the ``K`` transitions', so a ratio is the geometric mean of
+  the per-step ratios (the noise's term does not depend on the parameters and divides
+  the log-ratio by ``K + 1``, as RLinf's does). With ``sde_steps='one'`` there is one
+  term and the two agree.
+
 Steered modes: the flow itself stays deterministic (``ode``) and frozen, and RL
 trains a small Gaussian head (:func:`jaxvla.models.pi0.steer`) and the value head
 alone; the chunk's log-prob is that Gaussian's. The policy
@@ -42,6 +59,9 @@ STEERED = {"latent": "latent", "latent_mean": "latent",
            "residual": "residual", "residual_mean": "residual"}
 MODES = ("ode", "flow_sde", "flow_noise", *STEERED)
 DETERMINISTIC = ("ode", "latent_mean", "residual_mean")  # no log-probability
+GAUSSIAN = ("flow_sde", "flow_noise")  # the flow's own steps are stochastic
+SDE_STEPS = ("all", "one")  # config.model.sde_steps (module docstring)
+LOG_PROB_STEPS = ("sum", "mean")  # config.model.log_prob_steps (module docstring)
 
 # velocity_fn(x_t [B, H, A], t [B]) -> (velocity [B, H, A], learned_std [B, H, A] | None)
 VelocityFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array | None]]
@@ -66,6 +86,16 @@ def check_samplers(model) -> None:
       check_mode(model[key], needs_log_prob=needs)
     except ValueError as e:
       raise ValueError(f"config.model.{key}: {e}") from None
+  if model.sde_steps not in SDE_STEPS:
+    raise ValueError(f"config.model.sde_steps must be one of {SDE_STEPS}, got "
+                     f"{model.sde_steps!r}")
+  if model.log_prob_steps not in LOG_PROB_STEPS:
+    raise ValueError(f"config.model.log_prob_steps must be one of {LOG_PROB_STEPS}, got "
+                     f"{model.log_prob_steps!r}")
+  if model.sde_steps == "one" and model.train_sampler not in GAUSSIAN:
+    raise ValueError(f"config.model.sde_steps='one' picks one of the flow's own steps to be "
+                     f"stochastic: it needs config.model.train_sampler in {GAUSSIAN}, got "
+                     f"{model.train_sampler!r}")
   head = STEERED.get(model.eval_sampler)
   if head and model.train_sampler != head:
     raise ValueError(f"config.model.eval_sampler: {model.eval_sampler!r} uses the {head!r} "
@@ -97,10 +127,10 @@ def transition(x: jax.Array, v: jax.Array, learned_std: jax.Array | None, t: jax
   """Mean and std of one Gaussian denoise step.
 
   Args:
-    x: current sample ``[B, H, A]`` at time ``t`` (scalar).
+    x: current sample ``[B, H, A]`` at time ``t``.
     v: predicted velocity ``[B, H, A]``.
     learned_std: ``[B, H, A]`` for ``flow_noise``.
-    t: current time (scalar); ``dt < 0`` the step.
+    t: current time, a scalar or per sample ``[B, 1, 1]``; ``dt < 0`` the step (same).
     t_cap: the largest ``t`` used inside ``sqrt(t / (1 - t))`` (``1 - 1/K``) so
       the first SDE step stays finite.
 
@@ -131,53 +161,117 @@ def gaussian_entropy(std: jax.Array) -> jax.Array:
 
 
 def sample_chain(velocity_fn: VelocityFn, noise: jax.Array, rng: jax.Array, *,
-                 num_steps: int, mode: str,
-                 noise_level: float) -> tuple[jax.Array, jax.Array]:
+                 num_steps: int, mode: str, noise_level: float, sde_steps: str = "all",
+                 log_prob_steps: str = "sum") -> tuple[jax.Array, jax.Array]:
   """Runs the sampler from ``noise`` ``[B, H, A]``.
 
+  Args:
+    sde_steps, log_prob_steps: see the module docstring (Gaussian modes only;
+      ``mode='ode'`` takes the defaults).
+
   Returns:
-    chain ``[B, K + 1, H, A]`` (``chain[:, 0]`` is the noise, ``chain[:, -1]``
-    the action) and per-dimension log-probs ``[B, H, A]`` of the chain summed
-    over steps (zeros for ``ode``).
+    chain ``[B, K + 1, H, A]`` (``chain[:, 0]`` is the noise, ``chain[:, K]`` the
+    action; with ``sde_steps='one'`` ``[B, K + 2, H, A]``, the stochastic step's index
+    last) and per-dimension log-probs ``[B, H, A]`` of the chain (zeros for ``ode``).
   """
   check_mode(mode, needs_log_prob=False)
   _not_steered(mode)
+  _check_steps(mode, sde_steps, log_prob_steps)
   ts = time_grid(num_steps)
   t_cap = 1.0 - 1.0 / num_steps
   batch = noise.shape[0]
+  one = sde_steps == "one"
+  if one:  # The step each sample takes stochastically (the default keeps its key stream).
+    step_key, rng = jax.random.split(rng)
+    chosen = jax.random.randint(step_key, (batch,), 0, num_steps)
 
   def step(carry, inputs):
     x, logp = carry
-    t, t_next, key = inputs
+    i, t, t_next, key = inputs
     v, learned_std = velocity_fn(x, jnp.full((batch,), t))
     mean, std = transition(x, v, learned_std, t, t_next - t, mode=mode,
                            noise_level=noise_level, t_cap=t_cap)
     if mode == "ode":
       return (mean, logp), mean
+    if one:  # The other samples take the ODE's Euler step here.
+      sde = (chosen == i)[:, None, None]
+      mean = jnp.where(sde, mean, x + v * (t_next - t))
+      x_next = mean + jnp.where(sde, std, 0.0) * jax.random.normal(key, x.shape, x.dtype)
+      return (x_next, logp + jnp.where(sde, gaussian_log_prob(x_next, mean, std), 0.0)), x_next
     x_next = mean + std * jax.random.normal(key, x.shape, x.dtype)
     return (x_next, logp + gaussian_log_prob(x_next, mean, std)), x_next
 
   keys = jax.random.split(rng, num_steps)
-  (_, logp), xs = jax.lax.scan(step, (noise, jnp.zeros_like(noise)), (ts[:-1], ts[1:], keys))
-  chain = jnp.concatenate([noise[:, None], jnp.moveaxis(xs, 0, 1)], axis=1)
-  return chain, logp
+  (_, logp), xs = jax.lax.scan(step, (noise, jnp.zeros_like(noise)),
+                               (jnp.arange(num_steps), ts[:-1], ts[1:], keys))
+  entries = [noise[:, None], jnp.moveaxis(xs, 0, 1)]
+  if one:
+    entries.append(jnp.broadcast_to(chosen.astype(noise.dtype)[:, None, None, None],
+                                    (batch, 1) + noise.shape[1:]))
+  chain = jnp.concatenate(entries, axis=1)
+  return chain, _reduce(logp, noise, mode, num_steps, sde_steps, log_prob_steps)
+
+
+def _check_steps(mode: str, sde_steps: str, log_prob_steps: str) -> None:
+  """ValueError naming an unknown ``sde_steps`` / ``log_prob_steps``, or a non-default
+  one for a mode without Gaussian steps."""
+  if sde_steps not in SDE_STEPS:
+    raise ValueError(f"sde_steps must be one of {SDE_STEPS}, got {sde_steps!r}")
+  if log_prob_steps not in LOG_PROB_STEPS:
+    raise ValueError(f"log_prob_steps must be one of {LOG_PROB_STEPS}, got {log_prob_steps!r}")
+  if mode not in GAUSSIAN and (sde_steps, log_prob_steps) != ("all", "sum"):
+    raise ValueError(f"the {mode!r} sampler has no Gaussian steps to choose or average; "
+                     f"sde_steps={sde_steps!r} and log_prob_steps={log_prob_steps!r} apply to "
+                     f"{GAUSSIAN}")
+
+
+def _reduce(logp: jax.Array, noise: jax.Array, mode: str, num_steps: int, sde_steps: str,
+            log_prob_steps: str) -> jax.Array:
+  """The chain's per-dimension log-density ``[B, H, A]`` from its Gaussian steps' summed
+  densities ``logp`` and its initial ``noise`` (module docstring: ``log_prob_steps``)."""
+  if mode == "ode" or log_prob_steps == "sum" or sde_steps == "one":
+    return logp
+  prior = gaussian_log_prob(noise, jnp.zeros_like(noise), jnp.ones_like(noise))
+  return (logp + prior) / (num_steps + 1)
+
+
+def chain_entries(num_steps: int, sde_steps: str) -> int:
+  """Entries of a Gaussian mode's stored chain: ``K + 1`` states, and the stochastic
+  step's index with ``sde_steps='one'``."""
+  return num_steps + (2 if sde_steps == "one" else 1)
 
 
 def chain_log_prob(velocity_fn: VelocityFn, chain: jax.Array, *, num_steps: int, mode: str,
-                   noise_level: float) -> tuple[jax.Array, jax.Array]:
-  """Exact log-density of a stored chain ``[B, K + 1, H, A]`` under the current model.
+                   noise_level: float, sde_steps: str = "all",
+                   log_prob_steps: str = "sum") -> tuple[jax.Array, jax.Array]:
+  """Exact log-density of a stored chain (:func:`sample_chain`'s) under the current model.
 
   Returns:
-    per-dimension log-probs ``[B, H, A]`` summed over the K steps, and the
-    per-step transition stds ``[B, K, H, A]`` (for entropy terms).
+    per-dimension log-probs ``[B, H, A]`` (reduced over the steps as ``log_prob_steps``
+    says), and the transition stds of the scored steps ``[B, S, H, A]`` (for entropy
+    terms): ``S = K``, or ``1`` with ``sde_steps='one'`` (only its stochastic step is
+    scored, one network pass).
   """
   check_mode(mode, needs_log_prob=True)
   _not_steered(mode)
-  if chain.shape[1] != num_steps + 1:
-    raise ValueError(f"chain has {chain.shape[1] - 1} steps, the sampler {num_steps}")
+  _check_steps(mode, sde_steps, log_prob_steps)
+  want = chain_entries(num_steps, sde_steps)
+  if chain.shape[1] != want:
+    raise ValueError(f"a {mode!r} chain with sde_steps={sde_steps!r} and {num_steps} denoise "
+                     f"steps has {want} entries, got {chain.shape[1]}")
   ts = time_grid(num_steps)
   t_cap = 1.0 - 1.0 / num_steps
   batch = chain.shape[0]
+  if sde_steps == "one":
+    # The stored index (a float of a small integer: exact), clipped for safety's sake.
+    k = jnp.clip(jnp.round(chain[:, -1, 0, 0]).astype(jnp.int32), 0, num_steps - 1)
+    pick = lambda i: jnp.take_along_axis(chain, i[:, None, None, None], axis=1)[:, 0]
+    x, x_next = pick(k), pick(k + 1)
+    t, t_next = ts[k], ts[k + 1]
+    v, learned_std = velocity_fn(x, t)
+    mean, std = transition(x, v, learned_std, t[:, None, None], (t_next - t)[:, None, None],
+                           mode=mode, noise_level=noise_level, t_cap=t_cap)
+    return gaussian_log_prob(x_next, mean, std), std[:, None]
 
   def step(_, inputs):
     x, x_next, t, t_next = inputs
@@ -188,4 +282,5 @@ def chain_log_prob(velocity_fn: VelocityFn, chain: jax.Array, *, num_steps: int,
 
   xs = jnp.moveaxis(chain, 1, 0)
   _, (logps, stds) = jax.lax.scan(step, None, (xs[:-1], xs[1:], ts[:-1], ts[1:]))
-  return logps.sum(0), jnp.moveaxis(stds, 0, 1)
+  logp = _reduce(logps.sum(0), chain[:, 0], mode, num_steps, sde_steps, log_prob_steps)
+  return logp, jnp.moveaxis(stds, 0, 1)

@@ -70,6 +70,9 @@ class Pi0Config:
   steer_bound: float = 2.0
   steer_std_init: float = 1.0
   steer_std_min: float = 0.05
+  # The value head trains on the features without moving them (no critic gradient into
+  # the VLM or the expert; RLinf's detach_critic_input).
+  value_detach: bool = False
 
   @classmethod
   def from_config(cls, model: ml_collections.ConfigDict, *, image_size: int, num_cameras: int,
@@ -112,7 +115,8 @@ class Pi0Config:
                noise_std_max=model.noise_std_max,
                steer=model.train_sampler if model.train_sampler in denoise.STEERED else "",
                steer_hidden=model.steer_hidden, steer_bound=model.steer_bound,
-               steer_std_init=model.steer_std_init, steer_std_min=model.steer_std_min)
+               steer_std_init=model.steer_std_init, steer_std_min=model.steer_std_min,
+               value_detach=model.value_detach)
 
   @property
   def compute_dtype(self):
@@ -316,15 +320,18 @@ def features(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.A
   return pooled.astype(jnp.float32)
 
 
-def value_head(p: dict, feats: jax.Array) -> jax.Array:
-  """State value ``[B]`` from :func:`features` ``[B, D]``."""
+def value_head(p: dict, feats: jax.Array, detach: bool = False) -> jax.Array:
+  """State value ``[B]`` from :func:`features` ``[B, D]`` (``detach``: no gradient into
+  the features, ``Pi0Config.value_detach``)."""
+  if detach:
+    feats = jax.lax.stop_gradient(feats)
   h = jax.nn.gelu(layers.apply_dense(p["rl"]["value_hidden"], feats))
   return layers.apply_dense(p["rl"]["value_out"], h)[:, 0]
 
 
 def value(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.Array:
   """State value ``[B]`` (:func:`value_head` of :func:`features`)."""
-  return value_head(p, features(cfg, p, prefix, state))
+  return value_head(p, features(cfg, p, prefix, state), cfg.value_detach)
 
 
 def steer(cfg: Pi0Config, p: dict, feats: jax.Array, state: jax.Array,

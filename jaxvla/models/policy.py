@@ -55,7 +55,14 @@ class FlowPolicy:
     # change of the frozen flow would move the actions without moving that log-prob).
     self.steer = self.net.steer
     self.rl_heads_only = bool(self.steer)
-    self.log_prob_terms = (1 if self.steer else self.num_steps) * self.chunk_len * self.action_dim
+    # Which denoise steps are stochastic and how their densities combine (denoise's
+    # module docstring); both apply to the Gaussian samplers' chains only.
+    self.sde_steps = config.sde_steps
+    self.log_prob_steps = config.log_prob_steps
+    # Gaussian terms in a chunk's log-prob: each step's, or one per dim (the steering
+    # head's draw, the one stochastic step, or a mean over the steps).
+    per_dim = self.steer or self.sde_steps == "one" or self.log_prob_steps == "mean"
+    self.log_prob_terms = (1 if per_dim else self.num_steps) * self.chunk_len * self.action_dim
 
   # ---------------------------------------------------------------- helpers --
   def build(self, rng: jax.Array | int = 0):
@@ -122,7 +129,8 @@ class FlowPolicy:
     """Samples a chunk. ``mode``: a sampler name, or 'train'/'eval' for the configured one.
 
     The chain is ``[B, K + 1, H, A_net]``, or ``[B, K + 2, H, A_net]`` for the
-    'residual' modes (the base flow's chain, then the executed, corrected chunk).
+    'residual' modes (the base flow's chain, then the executed, corrected chunk) and
+    for a Gaussian sampler with ``sde_steps='one'`` (its stochastic step's index last).
     """
     mode = {"train": self.train_sampler, "eval": self.eval_sampler}.get(mode, mode)
     head = denoise.STEERED.get(mode)
@@ -144,7 +152,7 @@ class FlowPolicy:
     flow_key, residual_key = jax.random.split(sample_key)
     chain, logp = denoise.sample_chain(
         self._velocity_fn(params, prefix, state), noise, flow_key, num_steps=self.num_steps,
-        mode="ode" if head else mode, noise_level=self.noise_level)
+        mode="ode" if head else mode, noise_level=self.noise_level, **self._steps(mode))
     if head == "residual":
       base = chain[:, -1]
       mean, std = self._steer(params, feats, state, base)
@@ -156,9 +164,11 @@ class FlowPolicy:
       logp = logp * self._dim_mask()
     elif mode == head:  # 'latent' / 'residual' draw; their '_mean' modes are deterministic
       logp = self._steer_log_prob(draw, mean, std)
-    return ActOutput(actions=chain[:, -1, :, :self.action_dim], chain=chain,
+    # The executed chunk: the flow's last state, or the residual's corrected chunk after it.
+    executed = chain[:, self.num_steps + int(head == "residual")]
+    return ActOutput(actions=executed[:, :, :self.action_dim], chain=chain,
                      log_prob=logp.sum((1, 2)), log_prob_dims=logp,
-                     value=pi0.value_head(params, feats))
+                     value=pi0.value_head(params, feats, self.net.value_detach))
 
   def evaluate(self, params: Params, batch: dict, chain: jax.Array) -> Evaluation:
     """Log-prob ``[B]`` of stored chains (``act``'s shapes) under ``params``."""
@@ -178,18 +188,27 @@ class FlowPolicy:
         mean, std = self._steer(params, feats, state, chain[:, -2])
         logp = self._steer_log_prob(chain[:, -1] - chain[:, -2], mean, std)
       return Evaluation(log_prob=logp.sum((1, 2)), log_prob_dims=logp,
-                        value=pi0.value_head(params, feats),
+                        value=pi0.value_head(params, feats, self.net.value_detach),
                         entropy=self._steer_entropy(std, chain.shape[0]))
     logp, stds = denoise.chain_log_prob(
         self._velocity_fn(params, prefix, batch["state"]), chain, num_steps=self.num_steps,
-        mode=self.train_sampler, noise_level=self.noise_level)
+        mode=self.train_sampler, noise_level=self.noise_level,
+        **self._steps(self.train_sampler))
     mask = self._dim_mask()
     logp = logp * mask
-    # Entropy of the Gaussian transitions, summed over executed dims, averaged over steps.
+    # Entropy of the scored Gaussian transitions, summed over executed dims, averaged
+    # over steps.
     entropy = (denoise.gaussian_entropy(stds) * mask).sum((2, 3)).mean(1)
     return Evaluation(log_prob=logp.sum((1, 2)), log_prob_dims=logp,
                       value=pi0.value(self.net, params, prefix, batch["state"]),
                       entropy=entropy)
+
+  def _steps(self, mode: str) -> dict:
+    """``sample_chain`` / ``chain_log_prob``'s step settings for ``mode``: the
+    configured ones for a Gaussian sampler, the defaults (no choice) for the others."""
+    if mode not in denoise.GAUSSIAN:
+      return {}
+    return dict(sde_steps=self.sde_steps, log_prob_steps=self.log_prob_steps)
 
   def value(self, params: Params, batch: dict) -> jax.Array:
     return pi0.value(self.net, params, self._prefix(params, batch), batch["state"])
