@@ -34,3 +34,24 @@ def test_table_has_means_and_gaps_to_sync():
   assert "| 1 | 0.300 | 0.900 | 0.800 (3.9) |" in text
   assert "| mean ± std | | 0.950 ± 0.050 | 0.850 ± 0.050 |" in text
   assert "| gap to sync | |  | -0.100 (worst -0.100) |" in text
+
+
+def test_seed_table_and_seed_ranges(tmp_path):
+  """jaxvla.bench.seeds: its seed ranges, a run's curve from its metrics, and the table."""
+  from jaxvla.bench import seeds  # pylint: disable=import-outside-toplevel
+  assert seeds.parse_seeds(["0-3", "7"]) == [0, 1, 2, 3, 7]
+  for bad in ("3-1", "x"):
+    with pytest.raises(ValueError, match=f"--seeds: '{bad}'"):
+      seeds.parse_seeds([bad])
+  (tmp_path / "metrics.jsonl").write_text("\n".join([
+      '{"phase": "warm_start", "env_steps": 0, "success_rate": 0.25}',
+      '{"phase": "train", "env_steps": 100, "loss": 1.0}',
+      '{"phase": "eval", "env_steps": 200, "success_rate": 0.5}',
+      '{"phase": "summary", "env_steps": 200, "wall_s": 60.0}']))
+  assert seeds.curve(str(tmp_path)) == [(0, 0.25), (200, 0.5)]
+  assert seeds.warm_wall_s(str(tmp_path)) == 60.0
+  rows = {0: dict(warm_start=0.25, final=0.9, wall_s=600.0, curve=[(0, 0.25), (200, 0.9)]),
+          1: dict(warm_start=0.15, final=0.7, wall_s=660.0, curve=[(0, 0.15), (200, 0.7)])}
+  text = seeds.table(rows, 0.8)
+  assert "| 0 | 0.250 | 0.900 | 10.0 | 0.25 0.90 |" in text
+  assert "| mean ± std | 0.200 | 0.800 ± 0.100 | | range 0.700–0.900; 1 of 2 at 0.8 or above |" in text
