@@ -162,6 +162,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # data; 'none' clips around the behaviour, which lost 0.25 success at staleness 4.
   c.ppo.correction = "decoupled"  # Off-policy correction: 'none', 'decoupled', 'truncated_is'.
   c.ppo.is_clip = 2.0  # Truncation of importance weights (decoupled: 0 for none; truncated_is).
+  c.ppo.is_clip_mode = "truncate"  # Decoupled, a weight over is_clip: 'truncate' or 'drop'.
   # Decoupled only: a chunk the policy has moved by more than this factor from the
   # behaviour, in its advantage's direction, gives no gradient (0: off). What keeps the
   # streamed learner from running away on stale data (docs/pipeline.md, learning parity).

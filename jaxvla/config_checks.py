@@ -163,6 +163,7 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
   ppo.step_scale(c.ppo.step_scale, dict(is_weight=1.0, is_weight_sq=1.0, lag=0.0))  # (likewise)
   ppo.check_behaviour_clip(c.ppo.behaviour_clip)  # (likewise)
   ppo.check_value_loss(c.ppo.value_loss, c.ppo.huber_delta, c.ppo.value_clip)  # (likewise)
+  ppo.check_is_clip_mode(c.ppo.is_clip_mode)  # (likewise)
   _require(c.ppo.value_learning_rate >= 0, "ppo.value_learning_rate",
            f"must be >= 0 (0: ppo.learning_rate), got {c.ppo.value_learning_rate}")
   _require(c.ppo.critic_warmup_steps >= 0, "ppo.critic_warmup_steps",

@@ -74,6 +74,7 @@ def test_locked_config_rejects_new_fields():
     ("model.sde_steps", "two", "config.model.sde_steps"),
     ("model.log_prob_steps", "max", "config.model.log_prob_steps"),
     ("ppo.value_loss", "l1", "config.ppo.value_loss"),
+    ("ppo.is_clip_mode", "clip", "config.ppo.is_clip_mode"),
     ("ppo.huber_delta", 0.0, "config.ppo.huber_delta"),
     ("ppo.value_clip", -0.2, "config.ppo.value_clip"),
     ("ppo.value_learning_rate", -1e-4, "config.ppo.value_learning_rate"),

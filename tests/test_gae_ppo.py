@@ -11,7 +11,8 @@ from jaxvla.algorithms import gae, ppo
 from jaxvla.learner import objectives
 from jaxvla.models import contract
 
-CRITIC = dict(value_loss="mse", huber_delta=10.0, value_clip=0.0)  # ppo's critic-loss keys
+# ppo's critic-loss and weight-clip keys (hand-built configs below)
+CRITIC = dict(value_loss="mse", huber_delta=10.0, value_clip=0.0, is_clip_mode="truncate")
 
 
 def numpy_gae(rewards, values, dones, bootstrap, gamma, lam):

@@ -30,7 +30,7 @@ def make_inputs(n, seed=0):
               w=w / w.sum())
 
 
-def numpy_ppo(d, correction, is_clip, behaviour_clip=0.0):
+def numpy_ppo(d, correction, is_clip, behaviour_clip=0.0, is_clip_mode="truncate"):
   """Reference loss, metrics and d loss / d new_log_prob."""
   new, old, prox, adv, w = d["new"], d["old"], d["prox"], d["adv"], d["w"]
   ref = prox if correction == "decoupled" else old
@@ -45,6 +45,8 @@ def numpy_ppo(d, correction, is_clip, behaviour_clip=0.0):
       raw = np.exp(prox - old)
       rho = np.minimum(raw, is_clip) if is_clip > 0 else raw
       truncated = raw > is_clip if is_clip > 0 else np.zeros_like(raw, bool)
+      if is_clip_mode == "drop":  # RLinf's behave_weight_threshold: out of the loss.
+        rho = np.where(truncated, 0.0, raw)
     else:
       rho, truncated = np.ones_like(ratio), np.zeros_like(ratio, bool)
     unclipped = ratio * adv
@@ -68,7 +70,7 @@ def numpy_ppo(d, correction, is_clip, behaviour_clip=0.0):
   return loss, metrics, grad
 
 
-def jax_ppo(d, correction, is_clip, behaviour_clip=0.0, weights="w"):
+def jax_ppo(d, correction, is_clip, behaviour_clip=0.0, weights="w", is_clip_mode="truncate"):
   """Loss, metrics and gradients w.r.t. (new_log_prob, new_value, entropy)."""
   f32 = lambda k: jnp.asarray(d[k], jnp.float32)
   w = None if weights is None else f32(weights)
@@ -77,11 +79,28 @@ def jax_ppo(d, correction, is_clip, behaviour_clip=0.0, weights="w"):
     return ppo.ppo_loss(new, f32("old"), f32("adv"), val, f32("ret"), ent, clip_eps=CLIP_EPS,
                         value_coef=VALUE_COEF, entropy_coef=ENTROPY_COEF, weights=w,
                         correction=correction, proximal_log_prob=f32("prox"), is_clip=is_clip,
-                        behaviour_clip=behaviour_clip)
+                        behaviour_clip=behaviour_clip, is_clip_mode=is_clip_mode)
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)(
       f32("new"), f32("val"), f32("ent"))
   return loss, metrics, grads
+
+
+def test_dropped_weights_match_numpy():
+  """ppo.is_clip_mode='drop': a chunk whose behaviour -> proximal weight exceeds is_clip
+  leaves the policy loss and its gradient (RLinf's behave_weight_threshold); the rest is
+  the truncating correction's."""
+  d = make_inputs(64)
+  loss, metrics, (g_new, _, _) = jax_ppo(d, "decoupled", 1.3, 1.5, is_clip_mode="drop")
+  ref_loss, ref_metrics, ref_grad = numpy_ppo(d, "decoupled", 1.3, 1.5, is_clip_mode="drop")
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+  for k in METRICS:
+    np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(g_new, ref_grad, rtol=1e-5, atol=1e-7)
+  dropped = np.exp(d["prox"] - d["old"]) > 1.3
+  assert dropped.any() and not dropped.all() and np.all(np.asarray(g_new)[dropped] == 0)
+  with pytest.raises(ValueError, match="config.ppo.is_clip_mode"):
+    jax_ppo(d, "decoupled", 1.3, is_clip_mode="clip")
 
 
 @pytest.mark.parametrize("correction,is_clip,behaviour_clip", CASES)

@@ -97,7 +97,8 @@ def check_behaviour_clip(behaviour_clip: float) -> None:
 
 def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: jax.Array,
                   advantages: jax.Array, *, correction: str, clip_eps: float,
-                  is_clip: float, behaviour_clip: float = 0.0) -> tuple[jax.Array, ...]:
+                  is_clip: float, behaviour_clip: float = 0.0,
+                  is_clip_mode: str = "truncate") -> tuple[jax.Array, ...]:
   """Per-chunk (or per-term) policy loss and its diagnostics; every input and output
   is ``[N]`` (or ``[N, M]``, ``advantages`` broadcast along the terms).
 
@@ -116,7 +117,7 @@ def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: ja
             (rho_raw > is_clip).astype(jnp.float32), jnp.zeros_like(rho))
   if correction == "decoupled":
     log_ratio = new_log_prob - proximal
-    w, truncated = _behaviour_weight(proximal, old_log_prob, is_clip)
+    w, truncated = _behaviour_weight(proximal, old_log_prob, is_clip, is_clip_mode)
   else:
     log_ratio = new_log_prob - old_log_prob
     w = jnp.ones_like(log_ratio)
@@ -132,14 +133,29 @@ def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: ja
           held.astype(jnp.float32))
 
 
-def _behaviour_weight(proximal: jax.Array, behaviour: jax.Array,
-                      is_clip: float) -> tuple[jax.Array, jax.Array]:
+# What the decoupled correction does with a behaviour -> proximal weight over ``is_clip``
+# (``ppo.is_clip_mode``): "truncate" it to ``is_clip``, or "drop" the term from the loss
+# (weight 0; RLinf's ``behave_weight_threshold``).
+IS_CLIP_MODES = ("truncate", "drop")
+
+
+def check_is_clip_mode(mode: str) -> None:
+  """Raises ValueError naming ``config.ppo.is_clip_mode`` unless it is one of
+  :data:`IS_CLIP_MODES`."""
+  if mode not in IS_CLIP_MODES:
+    raise ValueError(f"config.ppo.is_clip_mode must be one of {IS_CLIP_MODES}, got {mode!r}")
+
+
+def _behaviour_weight(proximal: jax.Array, behaviour: jax.Array, is_clip: float,
+                      mode: str = "truncate") -> tuple[jax.Array, jax.Array]:
   """Decoupled PPO's behaviour -> proximal weight ``pi_prox / mu`` (no gradient),
-  truncated at ``is_clip`` when it is ``> 0``, and where it was truncated (bool)."""
+  truncated at ``is_clip`` when it is ``> 0`` (``mode='drop'``: set to 0 there), and
+  where it exceeded ``is_clip`` (bool)."""
   w_raw = jax.lax.stop_gradient(jnp.exp(proximal - behaviour))
   if is_clip <= 0:
     return w_raw, jnp.zeros_like(w_raw, bool)
-  return jnp.minimum(w_raw, is_clip), w_raw > is_clip
+  over = w_raw > is_clip
+  return (jnp.where(over, 0.0, w_raw) if mode == "drop" else jnp.minimum(w_raw, is_clip)), over
 
 
 def _held(from_behaviour: jax.Array, advantages: jax.Array, behaviour_clip: float) -> jax.Array:
@@ -155,7 +171,8 @@ def _held(from_behaviour: jax.Array, advantages: jax.Array, behaviour_clip: floa
 
 def _term_corrected_terms(new_log_prob: jax.Array, old_log_prob: jax.Array,
                           proximal: jax.Array, advantages: jax.Array, *, clip_eps: float,
-                          is_clip: float, behaviour_clip: float) -> tuple[jax.Array, ...]:
+                          is_clip: float, behaviour_clip: float,
+                          is_clip_mode: str = "truncate") -> tuple[jax.Array, ...]:
   """Decoupled PPO with the chunk's ratio and clip and the correction per term
   (``ppo.ratio='per_term_correction'``): log-probs ``[N, M]``, advantages ``[N]``.
 
@@ -175,7 +192,7 @@ def _term_corrected_terms(new_log_prob: jax.Array, old_log_prob: jax.Array,
   unclipped = ratio * advantages
   clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
   surrogate = jnp.minimum(unclipped, clipped)
-  w, truncated = _behaviour_weight(proximal, old_log_prob, is_clip)
+  w, truncated = _behaviour_weight(proximal, old_log_prob, is_clip, is_clip_mode)
   held = _held(new_log_prob - old_log_prob, advantages[:, None], behaviour_clip)
   g = sg(jnp.where(held, 0.0, w * jnp.where(unclipped <= clipped, unclipped, 0.0)[:, None]))
   loss = -jnp.mean(w, -1) * surrogate - jnp.sum(g * (new_log_prob - sg(new_log_prob)), -1)
@@ -226,8 +243,8 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
              behaviour_clip: float = 0.0,
              term_ratio: bool = True,
              old_value: jax.Array | None = None, value_loss: str = "mse",
-             huber_delta: float = 10.0,
-             value_clip: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+             huber_delta: float = 10.0, value_clip: float = 0.0,
+             is_clip_mode: str = "truncate") -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO loss over a (micro-)batch of ``N`` chunks, as a weighted sum.
 
   With ``[N]`` log-probs every ratio is between log-probabilities of the whole chunk
@@ -263,7 +280,7 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
     proximal_log_prob: ``[N]`` (``[N, M]``) log-prob under the params at the start of the
       update (no gradient flows into it); needed by "decoupled", ignored otherwise.
     is_clip: truncation of the importance weight: "decoupled" truncates at it
-      when ``> 0``; "truncated_is" requires ``> 0``; "none" ignores it.
+      when ``> 0`` (``is_clip_mode='drop'``: gives a term over it weight 0); "truncated_is" requires ``> 0``; "none" ignores it.
     behaviour_clip: "decoupled" only, ``0`` for off or ``> 1``: the factor of change
       from the behaviour beyond which a chunk moved in its advantage's direction
       gives no gradient (module docstring).
@@ -291,6 +308,7 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
       ``behaviour_clip`` that is neither 0 nor > 1.
   """
   _check_correction(correction, proximal_log_prob, is_clip, behaviour_clip)
+  check_is_clip_mode(is_clip_mode)
   n = new_log_prob.shape[0]
   per_term = new_log_prob.ndim == 2
   if per_term and not old_log_prob.shape == new_log_prob.shape:
@@ -319,12 +337,13 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
   if per_term and not term_ratio:
     pg, log_ratio, is_weight, truncated, held = _term_corrected_terms(
         new_log_prob, old_log_prob, proximal, advantages, clip_eps=clip_eps,
-        is_clip=is_clip, behaviour_clip=behaviour_clip)
+        is_clip=is_clip, behaviour_clip=behaviour_clip, is_clip_mode=is_clip_mode)
   else:
     pg, log_ratio, is_weight, truncated, held = _policy_terms(
         new_log_prob, old_log_prob, proximal,
         advantages[:, None] if per_term else advantages, correction=correction,
-        clip_eps=clip_eps, is_clip=is_clip, behaviour_clip=behaviour_clip)
+        clip_eps=clip_eps, is_clip=is_clip, behaviour_clip=behaviour_clip,
+        is_clip_mode=is_clip_mode)
   ratio = jnp.exp(log_ratio)
   policy_loss = wsum(chunk_sum(pg))
   value_loss = wsum(value_errors(new_value, returns, old_value, value_loss=value_loss,
@@ -390,4 +409,5 @@ def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
               correction=config.correction,
               is_clip=config.is_clip, behaviour_clip=config.behaviour_clip,
               term_ratio=config.ratio == "per_term", value_loss=config.value_loss,
-              huber_delta=config.huber_delta, value_clip=config.value_clip)
+              huber_delta=config.huber_delta, value_clip=config.value_clip,
+              is_clip_mode=config.is_clip_mode)
