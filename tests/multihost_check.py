@@ -42,7 +42,7 @@ from jaxvla.rollout import rollout as rollout_lib  # noqa: E402
 NUM_ENVS, ROLLOUT_LEN, MICRO = 8, 2, 2  # MICRO: micro-batches of the streamed update.
 
 
-def _optimizer(learning_rate: float, max_grad_norm: float, b1: float = 0.9):
+def _optimizer(learning_rate: float, max_grad_norm: float, b1: float = 0.9, **_):
   # Adam eps 1e-3: see tests/sharding_check.py (keeps reduction-order noise below 1e-9).
   return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                      optax.adam(learning_rate, b1=b1, eps=1e-3))

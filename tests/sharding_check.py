@@ -33,7 +33,8 @@ from jaxvla.rollout import rollout as rollout_lib  # noqa: E402
 RTOL = ATOL = 1e-5
 
 
-def _well_conditioned_optimizer(learning_rate: float, max_grad_norm: float, b1: float = 0.9):
+def _well_conditioned_optimizer(learning_rate: float, max_grad_norm: float, b1: float = 0.9,
+                                **_):
   """The learner's optimizer with Adam ``eps=1e-3`` instead of ``1e-8``.
 
   Adam's first steps map a gradient ``g`` to about ``lr * g / (|g| + eps)``: with
