@@ -7,9 +7,9 @@ which starts exactly as the one run would have (``jaxvla.bench.parity``'s protoc
 functions this uses). Warm starts are kept in ``--warm_dir``, so configs that differ only
 in their RL settings share them.
 
-Prints and writes to ``--out`` (``results.json``, ``table.md``) a row per seed: the warm
-start's and the final success, the wall time (warm start + RL), and the curve of every
-evaluation; then the mean, the spread and the worst seed. Finished seeds are kept: a
+Prints and writes to ``--out`` (``results.json``, ``table.md``, ``curves.png``) a row per
+seed: the warm start's and the final success, the wall time (warm start + RL), and the
+curve of every evaluation; then the mean, the spread and the worst seed. Finished seeds are kept: a
 rerun with the same ``--out`` does only the missing ones.
 
   python -m jaxvla.bench.seeds --out=/tmp/seeds --seeds=0-9
@@ -88,6 +88,27 @@ def table(rows: dict[int, dict], threshold: float) -> str:
   return "\n".join(lines)
 
 
+def plot(rows: dict[int, dict], path: str, title: str = "") -> None:
+  """Every seed's curve (success over RL env steps) into the PNG ``path``."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for seed, r in sorted(rows.items()):
+    ax.plot([x / 1000 for x, _ in r["curve"]], [y for _, y in r["curve"]], marker=".",
+            label=f"seed {seed}")
+  ax.set_xlabel("RL env steps (thousands)")
+  ax.set_ylabel("evaluation success")
+  ax.set_ylim(0, 1.02)
+  ax.grid(alpha=0.3)
+  ax.legend(ncol=2, fontsize=8, loc="lower right")
+  if title:
+    ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
 def _define_flags() -> None:
   config_flags.DEFINE_config_file("config", "configs/default.py", "The run config.")
   flags.DEFINE_string("out", None, "Directory for the runs, results.json and table.md.",
@@ -119,6 +140,7 @@ def main(argv: list[str]) -> None:
   text = table(rows, f.threshold)
   with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as fp:
     fp.write(text + "\n")
+  plot(rows, os.path.join(out, "curves.png"))
   print(text)
 
 
