@@ -54,6 +54,7 @@ def test_seed_table_and_seed_ranges(tmp_path):
           1: dict(warm_start=0.15, final=0.7, wall_s=660.0, curve=[(0, 0.15), (200, 0.7)])}
   text = seeds.table(rows, 0.8)
   assert "| 0 | 0.250 | 0.900 | 10.0 | 0.25 0.90 |" in text
-  assert "| mean ± std | 0.200 | 0.800 ± 0.100 | | range 0.700–0.900; 1 of 2 at 0.8 or above |" in text
+  assert ("| mean ± std | 0.200 | 0.800 ± 0.100 | | range 0.700–0.900; 1 of 2 at 0.8 or above |"
+          in text)
   seeds.plot(rows, str(tmp_path / "curves.png"))
   assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -280,7 +280,8 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
     proximal_log_prob: ``[N]`` (``[N, M]``) log-prob under the params at the start of the
       update (no gradient flows into it); needed by "decoupled", ignored otherwise.
     is_clip: truncation of the importance weight: "decoupled" truncates at it
-      when ``> 0`` (``is_clip_mode='drop'``: gives a term over it weight 0); "truncated_is" requires ``> 0``; "none" ignores it.
+      when ``> 0`` (``is_clip_mode='drop'``: gives a term over it weight 0);
+      "truncated_is" requires ``> 0``; "none" ignores it.
     behaviour_clip: "decoupled" only, ``0`` for off or ``> 1``: the factor of change
       from the behaviour beyond which a chunk moved in its advantage's direction
       gives no gradient (module docstring).
@@ -292,8 +293,8 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
 
   Returns:
     the scalar loss and scalar diagnostics: ``policy_loss``, ``value_loss``
-    (``sum w l(v - R)``, ``l`` of :func:`value_errors`), ``entropy``, ``approx_kl`` (k3 estimate of the
-    KL between the current policy and the ratio's reference: behaviour, or
+    (``sum w l(v - R)``, ``l`` of :func:`value_errors`), ``entropy``, ``approx_kl`` (k3
+    estimate of the KL between the current policy and the ratio's reference: behaviour, or
     proximal for "decoupled"), ``clip_frac`` (weight of chunks whose ratio left
     ``[1 - clip_eps, 1 + clip_eps]``), ``is_weight`` (weighted mean importance
     weight applied: 1 for "none"), ``is_weight_sq`` (its square's weighted mean:

@@ -9,8 +9,8 @@ in their RL settings share them.
 
 Prints and writes to ``--out`` (``results.json``, ``table.md``, ``curves.png``) a row per
 seed: the warm start's and the final success, the wall time (warm start + RL), and the
-curve of every evaluation; then the mean, the spread and the worst seed. Finished seeds are kept: a
-rerun with the same ``--out`` does only the missing ones.
+curve of every evaluation; then the mean, the spread and the worst seed. Finished seeds
+are kept: a rerun with the same ``--out`` does only the missing ones.
 
   python -m jaxvla.bench.seeds --out=/tmp/seeds --seeds=0-9
   python -m jaxvla.bench.seeds --out=/tmp/seeds_lr --warm_dir=/tmp/seeds \\
@@ -65,9 +65,8 @@ def curve(workdir: str) -> list[tuple[int, float]]:
 def warm_wall_s(warm_dir: str) -> float:
   """The warm start's wall time (its run's summary)."""
   with open(os.path.join(warm_dir, "metrics.jsonl"), encoding="utf-8") as f:
-    walls = [json.loads(line).get("wall_s") for line in f
-             if json.loads(line).get("phase") == "summary"]
-  return float(walls[-1])
+    rows = [json.loads(line) for line in f]
+  return float([r["wall_s"] for r in rows if r.get("phase") == "summary"][-1])
 
 
 def table(rows: dict[int, dict], threshold: float) -> str:

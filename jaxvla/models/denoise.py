@@ -86,16 +86,7 @@ def check_samplers(model) -> None:
       check_mode(model[key], needs_log_prob=needs)
     except ValueError as e:
       raise ValueError(f"config.model.{key}: {e}") from None
-  if model.sde_steps not in SDE_STEPS:
-    raise ValueError(f"config.model.sde_steps must be one of {SDE_STEPS}, got "
-                     f"{model.sde_steps!r}")
-  if model.log_prob_steps not in LOG_PROB_STEPS:
-    raise ValueError(f"config.model.log_prob_steps must be one of {LOG_PROB_STEPS}, got "
-                     f"{model.log_prob_steps!r}")
-  if model.sde_steps == "one" and model.train_sampler not in GAUSSIAN:
-    raise ValueError(f"config.model.sde_steps='one' picks one of the flow's own steps to be "
-                     f"stochastic: it needs config.model.train_sampler in {GAUSSIAN}, got "
-                     f"{model.train_sampler!r}")
+  _check_steps(model.train_sampler, model.sde_steps, model.log_prob_steps)
   head = STEERED.get(model.eval_sampler)
   if head and model.train_sampler != head:
     raise ValueError(f"config.model.eval_sampler: {model.eval_sampler!r} uses the {head!r} "
@@ -213,16 +204,17 @@ def sample_chain(velocity_fn: VelocityFn, noise: jax.Array, rng: jax.Array, *,
 
 
 def _check_steps(mode: str, sde_steps: str, log_prob_steps: str) -> None:
-  """ValueError naming an unknown ``sde_steps`` / ``log_prob_steps``, or a non-default
-  one for a mode without Gaussian steps."""
+  """ValueError naming ``config.model.sde_steps`` / ``log_prob_steps`` when unknown, or
+  set away from their defaults for a ``mode`` without Gaussian steps."""
   if sde_steps not in SDE_STEPS:
-    raise ValueError(f"sde_steps must be one of {SDE_STEPS}, got {sde_steps!r}")
+    raise ValueError(f"config.model.sde_steps must be one of {SDE_STEPS}, got {sde_steps!r}")
   if log_prob_steps not in LOG_PROB_STEPS:
-    raise ValueError(f"log_prob_steps must be one of {LOG_PROB_STEPS}, got {log_prob_steps!r}")
+    raise ValueError(f"config.model.log_prob_steps must be one of {LOG_PROB_STEPS}, got "
+                     f"{log_prob_steps!r}")
   if mode not in GAUSSIAN and (sde_steps, log_prob_steps) != ("all", "sum"):
-    raise ValueError(f"the {mode!r} sampler has no Gaussian steps to choose or average; "
-                     f"sde_steps={sde_steps!r} and log_prob_steps={log_prob_steps!r} apply to "
-                     f"{GAUSSIAN}")
+    raise ValueError(f"config.model.sde_steps={sde_steps!r} and config.model.log_prob_steps="
+                     f"{log_prob_steps!r} choose among the flow's own Gaussian steps (the "
+                     f"{GAUSSIAN} samplers); the {mode!r} sampler has no Gaussian steps")
 
 
 def _reduce(logp: jax.Array, noise: jax.Array, mode: str, num_steps: int, sde_steps: str,
