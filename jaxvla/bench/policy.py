@@ -11,6 +11,7 @@ their learner steps. For every model and variant it measures
 * ``ppo_minibatch``: one ``Learner.update`` on a ``[1, --learner_batch]``
   trajectory with one epoch and one minibatch, i.e. exactly one PPO minibatch
   step (``evaluate`` over ``--learner_denoise_steps`` steps, backward, Adam).
+  ``--learner_ops`` picks which of the two run.
 
 FLOPs per call, two ways:
 
@@ -67,6 +68,9 @@ _DTYPE = flags.DEFINE_enum("dtype", "", ["", "float32", "bfloat16"],
                            "Compute dtype ('': float32 for tiny/small, bfloat16 for full).")
 _LEARNER_BATCH = flags.DEFINE_integer("learner_batch", 16,
                                       "Chunks per bc_step / PPO minibatch (0: skip learner).")
+LEARNER_OPS = ("bc_step", "ppo_minibatch")
+_LEARNER_OPS = flags.DEFINE_multi_enum("learner_ops", list(LEARNER_OPS), LEARNER_OPS,
+                                       "Learner steps to time at --learner_batch.")
 _LEARNER_DENOISE_STEPS = flags.DEFINE_integer("learner_denoise_steps", 4,
                                               "Denoise steps K of the PPO minibatch step.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per row (median reported).")
@@ -332,7 +336,8 @@ def learner_flops(model: str, variant: str, dtype: str, k: int, op: str, remat: 
 
 def measure_learner(model: str, variant: str, dtype: str, remat: bool, params, n_params: int,
                     peak: float | None, spec: protocol.EnvSpec) -> list[dict]:
-  """``bc_step``, then one PPO minibatch, at ``--learner_batch`` (consumes ``params``)."""
+  """``bc_step``, then one PPO minibatch (those of ``--learner_ops``), at ``--learner_batch``
+  (consumes ``params``)."""
   k, bs = _LEARNER_DENOISE_STEPS.value, _LEARNER_BATCH.value
   cfg = bench_config(model, variant, dtype=dtype, chunk_len=_CHUNK_LEN.value, denoise_steps=k,
                      remat=remat)
@@ -352,8 +357,9 @@ def measure_learner(model: str, variant: str, dtype: str, remat: bool, params, n
   state = learner_lib.init_state(params, lrn.bc_tx, rng)  # donated by the steps below
   del params
   rows = []
-  for op, step, data in (("bc_step", lrn.bc_step_jit, (batch, actions, mask)),
-                         ("ppo_minibatch", lrn.update_jit, (traj,))):
+  steps = (("bc_step", lrn.bc_step_jit, (batch, actions, mask)),
+           ("ppo_minibatch", lrn.update_jit, (traj,)))
+  for op, step, data in (s for s in steps if s[0] in _LEARNER_OPS.value):
     flops, executed = learner_flops(model, variant, dtype, k, op, remat, _abstract(state),
                                     *_abstract(data))
     compiled, compile_s = _compile(step, state, *data)
