@@ -64,6 +64,9 @@ EXTRAS_REQUIRE = {
         "nbclient",
         "nbformat",
         "ipykernel",
+        # tests/test_docs.py builds the docs site (docs/conf.py) with warnings as errors.
+        "sphinx",
+        "myst-parser",
     ],
 }
 
