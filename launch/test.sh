@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, in four steps that must all pass:
-#   (a) pytest -m "not sim and not learning and not slow and not multihost" -n WORKERS
+#   (a) pytest -m "not sim and not slow and not multihost" -n WORKERS
 #                                             on tests/      the fast suite (CPU, tiny models)
 #   (b) pytest -m multihost                   on tests/      2 processes via jax.distributed
-#   (c) pytest -m "learning or slow" -n WORKERS
+#   (c) pytest -m slow -n WORKERS
 #                                             on tests/      RL learning runs and the other
 #                                                            minute-long runs (fault injection)
 #   (d) pytest -m sim -n WORKERS              on tests/sim/  real simulators (ManiSkill3, LIBERO)
@@ -79,14 +79,14 @@ run_step() {
 }
 
 if [[ $only == all || $only == fast ]]; then
-  XLA_FLAGS=$fast_xla_flags run_step fast -m "not sim and not learning and not slow and not multihost" \
+  XLA_FLAGS=$fast_xla_flags run_step fast -m "not sim and not slow and not multihost" \
     -n "$workers" --dist worksteal "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == multihost ]]; then
   XLA_FLAGS=$fast_xla_flags run_step multihost -m multihost "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == slow ]]; then
-  run_step slow -m "learning or slow" -n "$workers" --dist worksteal "${pytest_args[@]}"
+  run_step slow -m slow -n "$workers" --dist worksteal "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == sim ]]; then
   run_step sim -m sim -o testpaths=tests/sim -n "$workers" --dist worksteal "${pytest_args[@]}"

@@ -12,9 +12,9 @@ from configs import default  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-  """Tests marked ``long`` first, the long learning runs (minutes) before the other long
-  tests, stable otherwise: with parallel workers (``launch/test.sh``), a long test
-  started last would run on alone at the end.
+  """Tests marked ``run_first`` first, by rank (the learning runs, minutes each, are rank
+  0), stable otherwise: with parallel workers (``launch/test.sh``), a long test started
+  last would run on alone at the end.
 
   Under pytest-xdist the order is also dealt out over the workers. Its ``worksteal``
   scheduler first gives each worker a contiguous share of the list, and it steals
@@ -24,11 +24,18 @@ def pytest_collection_modifyitems(config, items):
   (on 2 cores that step is CPU-bound, so it took about as long either way: 10.5 and
   10.8 minutes; with more cores the dealt order is the faster one).
   """
-  items.sort(key=lambda item: (item.get_closest_marker("long") is None,
-                               item.get_closest_marker("learning") is None))
+  items.sort(key=_rank)
   workers = getattr(config, "workerinput", {}).get("workercount", 1)
   if workers > 1:
     items[:] = _dealt(items, workers)
+
+
+def _rank(item) -> float:
+  """A test's place in its step: ``run_first``'s rank (default 1), else last."""
+  mark = item.get_closest_marker("run_first")
+  if mark is None:
+    return float("inf")
+  return mark.args[0] if mark.args else mark.kwargs.get("rank", 1)
 
 
 def _dealt(items: list, workers: int) -> list:

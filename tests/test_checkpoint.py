@@ -50,7 +50,7 @@ def trained():
   return pol, states
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 def test_save_restore_equality(tmp_path, trained):
   _, (state, other) = trained
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2)
@@ -81,7 +81,7 @@ def _records(workdir, phase):
     return [r for r in map(json.loads, f) if r["phase"] == phase]
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 def test_resume_continues_run(tmp_path):
   """The end-to-end run of the default pi0 in ``sync_colocated`` mode (with every check of
   tests/test_pipeline.py's end-to-end runs), its checkpoint and export, then its resume."""
@@ -163,7 +163,7 @@ def _truncate_arrays(step_dir):
   assert n, f"no array files under {step_dir}"
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 def test_damaged_latest_checkpoint_falls_back_and_mismatch_names_the_path(tmp_path, smoke_config,
                                                                           trained, caplog):
   import logging  # pylint: disable=import-outside-toplevel

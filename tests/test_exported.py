@@ -101,7 +101,7 @@ def test_frames_need_an_env_that_reports_steps():
     frames.FirstEpisodeFrames(object())
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 def test_evaluate_export_applies_its_norm_stats_on_the_runs_episodes(tmp_path):
   c = default.get_config("smoke")
   c.env.num_targets, c.env.num_colours = 1, 1

@@ -217,7 +217,7 @@ def test_rollout_items_are_whole_groups():
   assert any((~it.data.mask).any() for it in items)  # (Some episode ended early: padded.)
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 def test_grpo_update_changes_params():
   c, pol, params, items, _ = _collect()
   c = _config(num_epochs=2, num_minibatches=2, correction="decoupled")

@@ -30,7 +30,8 @@ def _text(nb) -> str:
                  for out in cell.get("outputs", []))
 
 
-@pytest.mark.learning  # It trains a policy (a minute or two): test.sh's slow step.
+@pytest.mark.slow  # It trains a policy (a minute or two): test.sh's third step.
+@pytest.mark.run_first(2)
 def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   # The kernel inherits this environment: its tempfile.mkdtemp() workdir lands here.

@@ -160,7 +160,7 @@ def test_openpi_checkpoint_round_trip(smoke_config, tmp_path):
 # Training each variant end to end: tests/test_pipeline.py::test_every_mode_trains_end_to_end.
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 def test_init_checkpoint_starts_the_run(tmp_path, smoke_config):
   """``model.init_checkpoint``: the run starts from the openpi-layout weights (its
   step-0 checkpoint holds them exactly) with fresh RL heads."""

@@ -242,7 +242,7 @@ def test_inference_batches_pad_to_buckets():
   np.testing.assert_array_equal(padded["x"], [[0, 1], [2, 3], [4, 5], [0, 1]])
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 def test_first_ready_inference_sees_only_bucket_shapes():
   c, env, policy, params, act, value = _setup(num_envs=6)
   env.close()
@@ -317,7 +317,7 @@ def test_result_without_act_is_an_error():
 
 
 # ---------------------------------------------------------------- streamer --
-@pytest.mark.long
+@pytest.mark.run_first
 @pytest.mark.parametrize("value_targets", ["rollout", "learner"])
 def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets):
   """Gradients of micro-batches computed one by one as they arrive, summed and
@@ -391,7 +391,7 @@ _PI0_EXPERT_NOISE = dict(name="pi0", value_source="expert", train_sampler="flow_
 _PI05 = dict(name="pi05", value_source="prefix", train_sampler="flow_sde")
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 @pytest.mark.parametrize("mode,switches", [
     ("sync_disaggregated", dict(model=_PI0_EXPERT_NOISE)),
     ("async", dict(train_async=True, rollout_async=False, streamer=False)),
@@ -405,7 +405,7 @@ def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
   end_to_end.check_run(c, train.train_and_evaluate(c, workdir), workdir)
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 @pytest.mark.parametrize("switches", [dict(mode="sync_colocated"),
                                       dict(mode="async", train_async=True, rollout_async=True,
                                            streamer=True)])

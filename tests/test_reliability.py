@@ -62,7 +62,7 @@ def test_divergence_guard_stops_after_max_bad_in_a_row(caplog):
     config_checks.validate(c)
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 def test_diverging_run_stops_and_keeps_finite_checkpoints(tmp_path, smoke_config):
   """Finding: lr=1e3 used to log NaN and write NaN checkpoints over the good ones."""
   c = smoke_config

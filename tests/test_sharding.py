@@ -101,7 +101,7 @@ def test_config_mesh_checks():
     config_checks.validate_batch_shards(c, 4)
 
 
-@pytest.mark.long
+@pytest.mark.run_first
 @pytest.mark.timeout(900)
 def test_sharded_train_step_equals_unsharded():
   """tiny pi0 on 8 fake CPU devices, every mesh axis at once (data=2, fsdp=2,

@@ -42,7 +42,7 @@ def test_episode_e_starts_from_init_state_e():
     env.close()
 
 
-@pytest.mark.long  # (started first: the step's tests run in parallel)
+@pytest.mark.run_first  # (started first: the step's tests run in parallel)
 def test_two_spatial_tasks_end_to_end(tmp_path):
   c = libero_config.get_config("libero_spatial/0")
   c.env.image_size = 32

@@ -99,7 +99,7 @@ def test_time_limit_auto_reset_and_group_members_share_init_states():
     env.close()
 
 
-@pytest.mark.long  # (started first: the step's tests run in parallel)
+@pytest.mark.run_first  # (started first: the step's tests run in parallel)
 def test_training_loop_runs_on_libero(tmp_path):
   """Training on LIBERO in the full-async pipeline (first-ready batches of the worker
   pool, the streamed learner), as configs/libero_bench.py runs it next to full pi0."""
