@@ -1,5 +1,7 @@
 """Default run: behaviour-cloning warm start, then PPO, on the built-in ColorReach env.
 
+The fields and their defaults live in ``jaxvla/defaults.py``; this file picks a variant.
+
 Variants (``--config=configs/default.py:VARIANT``):
   (none)  the full default run (CPU, ~11 minutes; its final success depends on the seed,
           docs/default_run.md has ten).
@@ -14,8 +16,7 @@ Variants (``--config=configs/default.py:VARIANT``):
 
 import ml_collections
 
-from jaxvla import sharding
-from jaxvla.data import config as data_config
+from jaxvla import defaults
 
 VARIANTS = ("", "smoke", "bc_only", "bench", "parity")
 
@@ -25,194 +26,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if variant not in VARIANTS:
     raise ValueError(f"unknown variant {variant!r} of configs/default.py; choose one of "
                      f"{[v for v in VARIANTS if v]}")
-  c = ml_collections.ConfigDict()
-  c.seed = 0  # Seed of parameters, sampling and env episodes.
-  c.total_env_steps = 250_000  # Budget: RL env steps (executed actions) of the whole run.
-  c.num_envs = 64  # Envs stepped in parallel for RL rollouts.
-  c.rollout_len = 10  # Chunk steps per env per training iteration.
-  c.env_workers = 0  # Env worker processes for rollouts (0: step envs in the trainer process).
-  # Pool only, hang detection. Once 16 chunks are measured, a hang is a chunk 10x slower
-  # than the slowest so far (and at least env_hang_floor_s); before that, env_step_timeout_s.
-  c.env_step_timeout_s = 120.0  # Seconds a worker may take for a chunk: warm-up and cap.
-  c.env_hang_floor_s = 10.0  # Least seconds a chunk may take before it counts as a hang.
-  c.resume = False  # Continue from the latest checkpoint in the workdir.
-
-  c.env = ml_collections.ConfigDict()
-  c.env.name = "builtin"  # Environment: 'builtin' (ColorReach).
-  c.env.image_size = 32  # Camera image side in pixels.
-  c.env.num_targets = 3  # Coloured targets per episode; the instruction names one.
-  c.env.num_colours = 4  # Size of the colour palette targets are drawn from.
-  c.env.max_episode_steps = 10  # Time limit in env steps.
-  c.env.max_speed = 0.1  # Distance moved per step at full action.
-  c.env.goal_radius = 0.2  # Success distance to the named target.
-  c.env.wrong_target_radius = 0.2  # Touching another target within this ends in failure.
-  c.env.min_separation = 0.55  # Minimum distance between targets and the start.
-  c.env.layout = "ring"  # 'ring': agent starts at the centre, targets around it; 'uniform'.
-  c.env.ring_radius = (0.45, 0.85)  # 'ring': (min, max) distance of targets from the centre.
-  c.env.latency_ms = 0.0  # Median simulated per-step latency (slept), 0 for none.
-  c.env.group_size = 1  # GRPO groups: envs i // G share each episode's init (1: no groups).
-  c.env.latency_sigma = 1.0  # Log-normal shape of that latency (long tail when large).
-
-  c.model = ml_collections.ConfigDict()
-  c.model.name = "pi0"  # Policy family: 'pi0', 'pi05' (flow matching) or 'action_token_vla'.
-  c.model.variant = "tiny"  # Size: 'tiny' (CPU tests), 'small' or 'full' (openpi's ~3.3B).
-  c.model.dtype = "float32"  # Compute dtype ('bfloat16' on accelerators); params stay float32.
-  c.model.remat = False  # Recompute layer activations in the backward pass (saves memory).
-  c.model.image_size = 0  # Side the ViT sees; images are resized to it (0: the env's size).
-  c.model.posemb = "sincos2d"  # ViT position embedding: 'learn' (openpi's) or 'sincos2d' (fixed).
-  c.model.action_dim = 0  # Network action size, >= the env's (0: the env's; openpi: 32).
-  c.model.state_dim = 0  # Network state size, >= the env's (0: the env's; openpi: 32).
-  c.model.vocab_size = 0  # Embedding rows, >= the tokenizer's (0: the tokenizer's; full: 257152).
-  c.model.init_checkpoint = ""  # openpi params dir (<ckpt>/params) to start from ('': fresh init).
-  # LoRA (openpi's gemma_2b_lora / gemma_300m_lora): adapters on the Gemma attention and MLP
-  # weights; the adapted experts' other weights are frozen (openpi's freeze filter).
-  c.model.lora = "none"  # Adapters on: 'none', 'llm' (PaliGemma), 'expert' (action) or 'both'.
-  c.model.lora_rank_llm = 16  # Rank (= alpha) of the LLM's adapters (openpi's gemma_2b_lora).
-  c.model.lora_rank_expert = 32  # Rank (= alpha) of the expert's (openpi's gemma_300m_lora).
-  c.model.value_source = "prefix"  # Value head input: 'prefix' tokens or pi0's 'expert' state token.
-  c.model.value_hidden = 64  # Hidden units of the value head.
-  c.model.tokenizer = "builtin"  # Instruction tokenizer: 'builtin' (words) or 'paligemma'.
-  c.model.tokenizer_path = ""  # 'paligemma': path of paligemma_tokenizer.model (no download here).
-  c.model.max_token_len = 12  # Prompt length in tokens (with <bos>); longer is an error.
-  c.model.discrete_state_input = True  # pi05 only: write the discretised state into the prompt.
-  c.model.chunk_len = 5  # Actions per chunk H (one RL step executes a chunk).
-  c.model.num_denoise_steps = 4  # Denoise steps K of the sampler.
-  # Steered samplers: RL trains a small Gaussian head (rl/steer_*) and the value head over
-  # the frozen flow: 'latent' (DSRL) draws its initial noise, 'residual' corrects its
-  # chunk (docs/policy.md, "Steered RL").
-  c.model.train_sampler = "flow_sde"  # RL sampler: 'flow_sde', 'flow_noise', 'latent', 'residual'.
-  # 'latent_mean' / 'residual_mean' (with that train_sampler): the steering head's mean.
-  c.model.eval_sampler = "ode"  # Evaluation: 'ode', 'latent_mean', 'residual_mean' or an RL one.
-  c.model.noise_level = 0.5  # flow_sde noise scale a in sigma_t = a sqrt(t / (1 - t)).
-  c.model.noise_std_min = 0.05  # flow_noise: lower bound of the learned std.
-  c.model.noise_std_max = 0.5  # flow_noise: upper bound of the learned std.
-  # flow_sde / flow_noise (jaxvla/models/denoise.py): 'all' steps stochastic, or 'one'
-  # step per sample drawn at random (piRL's flow-SDE), the others the ODE's; and the
-  # chain's log-prob per dim as the 'sum' over its Gaussian steps or their 'mean'.
-  c.model.sde_steps = "all"  # Stochastic denoise steps: 'all' or 'one'.
-  c.model.log_prob_steps = "sum"  # Chain log-prob over steps: 'sum' or 'mean'.
-  c.model.value_detach = False  # Value head on stop-gradient features (no critic grads in).
-  c.model.steer_hidden = 256  # Steered: hidden width of the steering head's two layers.
-  c.model.steer_bound = 2.0  # Steered: bound of its mean (noise stds / normalised action units).
-  c.model.steer_std_init = 1.0  # Steered: its initial std (latent: 1 is the base policy's noise).
-  c.model.steer_std_min = 0.05  # Steered: floor of its std.
-  c.model.num_bins = 256  # action_token_vla: bins per action dimension (tokens per bin).
-
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = 1  # Learner mesh: data-parallel axis size.
-  c.mesh.fsdp = -1  # Learner mesh: FSDP axis size (-1: every device data and tensor leave).
-  c.mesh.tensor = 1  # Learner mesh: tensor-parallel axis size (heads / MLP hidden).
-  c.mesh.rollout_devices = ""  # Rollout devices: '' the learner's, 'N' the last N, '0.25', '6,7'.
-  c.mesh.rules = sharding.DEFAULT_RULES  # Logical axis -> mesh axes (see jaxvla/sharding.py).
-
-  c.bc = ml_collections.ConfigDict()
-  c.bc.num_episodes = 3000  # Scripted-expert episodes collected for the warm start.
-  c.bc.demo_noise = 0.3  # Gaussian noise added to the expert's executed actions.
-  c.bc.success_only = False  # Record only the demonstrator's successful episodes.
-  c.bc.expert_speed = 0.4  # Demonstrator speed (fraction of max): cautious, like teleoperation.
-  c.bc.num_steps = 3500  # Gradient steps of the warm start (0: start RL from scratch).
-  c.bc.batch_size = 64  # Warm-start batch size (chunks).
-  c.bc.learning_rate = 1e-3  # Warm-start Adam learning rate.
-  c.bc.lr_schedule = "constant"  # 'constant', or 'cosine' decay to 0.1x by bc.num_steps.
-
-  # Demonstrations on disk (RLDS / LeRobot; docs/data.md). Fields in jaxvla/data/config.py.
-  c.data = data_config.get_config()  # Demonstrations on disk ('' path: record the expert).
-  # BC samples at chunk starts, where the policy acts (every chunk_len steps). Measured
-  # with the tiny pi0, 3,000 episodes, 3,500 steps: 0.375 warm-start success against 0.03
-  # when every step starts a sample (windows from mid-chunk states, which the policy
-  # never acts from, took the small model's capacity).
-  c.data.stride = 0  # 0: the chunk length.
-
-  c.ppo = ml_collections.ConfigDict()
-  c.ppo.learning_rate = 1e-4  # Adam learning rate of the RL phase.
-  c.ppo.gamma = 0.99  # Discount per chunk step.
-  c.ppo.gae_lambda = 0.95  # GAE lambda.
-  # True when the time limit only schedules resets; False when reaching the goal in time
-  # is the task, as in ColorReach (with True, tests/test_learning.py's PPO lost its push
-  # to hurry: 1.0 -> 0.445 success).
-  c.ppo.bootstrap_truncated = False  # Bootstrap truncations from their final obs's value.
-  c.ppo.clip_eps = 0.2  # PPO ratio clip.
-  # 'per_term_correction': PPO's ratio and clip over the chunk, the decoupled correction
-  # (importance weight, behaviour clip) per action dim of the chunk (H x A terms): on
-  # fresh data the 'joint' ratio's PPO; full async at staleness 4 ended 0.026 below sync
-  # over five ColorReach seeds, where 'joint' (one weight for the chunk's K x H x A
-  # transitions) lost 0.06-0.12 (docs/pipeline.md). 'per_term': ratio and clip per term
-  # too (token-level PPO); 'mean': the geometric mean over the terms, GSPO-style.
-  c.ppo.ratio = "per_term_correction"  # 'per_term_correction', 'joint', 'per_term' or 'mean'.
-  c.ppo.value_coef = 0.5  # Weight of the value loss.
-  c.ppo.value_loss = "mse"  # Critic loss of the error: 'mse' (0.5 e^2) or 'huber'.
-  c.ppo.huber_delta = 10.0  # 'huber': quadratic within this error, linear beyond.
-  c.ppo.value_clip = 0.0  # Clip the value's move from the rollout's, PPO2-style (0: off).
-  c.ppo.value_learning_rate = 0.0  # Critic (rl/value_*) Adam learning rate (0: learning_rate).
-  c.ppo.critic_warmup_steps = 0  # First RL optimizer steps that train the critic alone.
-  c.ppo.entropy_coef = 0.0  # Weight of the sampler-entropy bonus (matters for flow_noise).
-  c.ppo.num_epochs = 2  # Passes over each rollout.
-  c.ppo.num_minibatches = 4  # Minibatches per pass.
-  c.ppo.max_grad_norm = 1.0  # Global gradient-norm clip.
-  c.ppo.adam_b1 = 0.9  # Adam's first-moment decay (momentum) in the RL phase.
-  # Divergence guard: an update (or BC step) whose loss, gradients or new params are not
-  # finite is not applied (counted, logged).
-  c.ppo.max_bad_updates = 3  # This many non-finite updates in a row stop the run.
-  c.ppo.target_kl = 0.0  # Skip the rest of an update once approx. KL exceeds this (0: off).
-  c.ppo.algorithm = "ppo"  # 'ppo' (GAE, value head) or 'grpo' (group-normalised episode returns).
-  c.ppo.loss_normalizer = "trajectory"  # GRPO: 'chunks', 'trajectory' (1/|tau|) or 'constant' (1/K).
-  c.ppo.grpo_scale = True  # GRPO: divide by the group's return std (False: Dr. GRPO).
-  c.ppo.advantage_norm = "minibatch"  # Advantage normalisation: 'minibatch' stats or 'none'.
-  # 'decoupled' (the default) is plain PPO on fresh data (behaviour = proximal policy) at
-  # the cost of one forward pass per update, and corrects stale (async) or bf16-rollout
-  # data; 'none' clips around the behaviour, which lost 0.25 success at staleness 4.
-  c.ppo.correction = "decoupled"  # Off-policy correction: 'none', 'decoupled', 'truncated_is'.
-  c.ppo.is_clip = 2.0  # Truncation of importance weights (decoupled: 0 for none; truncated_is).
-  c.ppo.is_clip_mode = "truncate"  # Decoupled, a weight over is_clip: 'truncate' or 'drop'.
-  # Decoupled only: a chunk the policy has moved by more than this factor from the
-  # behaviour, in its advantage's direction, gives no gradient (0: off). What keeps the
-  # streamed learner from running away on stale data (docs/pipeline.md, learning parity).
-  c.ppo.behaviour_clip = 2.0  # Trust region around the behaviour (0 or > 1).
-  # 'learner': recompute GAE from the learner's critic at the start of each update (one
-  # more forward pass) instead of the values the (possibly stale) rollout recorded;
-  # 'vtrace': V-trace targets and advantages from that critic and the importance ratios.
-  c.ppo.value_targets = "rollout"  # Advantages from: 'rollout', 'learner' or 'vtrace'.
-  # 'ess': scale each optimizer step by the effective sample size fraction of its
-  # importance weights, mean(w)^2 / mean(w^2) (1 on fresh data, less the staler it is).
-  c.ppo.step_scale = "none"  # Step size under staleness: 'none', 'ess' or 'staleness'.
-
-  c.pipeline = ml_collections.ConfigDict()
-  c.pipeline.mode = "sync_colocated"  # 'sync_colocated', 'sync_disaggregated' or 'async'.
-  c.pipeline.train_async = True  # async L1: rollout runs in parallel with training.
-  c.pipeline.rollout_async = True  # async L2: first-ready env batching (needs env_workers > 0).
-  c.pipeline.streamer = False  # async L3: streamed micro-batch learner (gradient accumulation).
-  c.pipeline.max_staleness = 1  # Train only on chunks at most this many versions old.
-  c.pipeline.staleness_control = "pace"  # Too-stale data: 'pace' the rollout or 'drop' (counted).
-  c.pipeline.queue_items = 8  # Trajectory queue capacity in items (a full queue blocks rollout).
-  c.pipeline.micro_batch_segments = 8  # Env segments per queue item (the streamer's micro-batch).
-  c.pipeline.b_max = 0  # L2: inference batch size trigger (0: half the envs).
-  c.pipeline.t_max_ms = 5.0  # L2: max wait after the first ready env before inferring.
-  c.pipeline.min_bucket = 1  # L2: smallest padded inference batch (fewer act compiles).
-  c.pipeline.rollout_dtype = ""  # Rollout's param copy: '' exact, 'bfloat16' (use a correction).
-  c.pipeline.timeline = True  # Write workdir/timeline.json (stage intervals; plot with stages).
-
-  c.eval = ml_collections.ConfigDict()
-  c.eval.every_iters = 10  # Evaluate every N RL iterations (and at the start and end).
-  c.eval.num_episodes = 128  # Episodes per evaluation (eval_sampler, one fixed seed).
-  c.eval.env_workers = 0  # Worker processes for the evaluation envs (0: in the trainer process).
-
-  c.log = ml_collections.ConfigDict()
-  c.log.progress = True  # Show a progress bar on stderr.
-
-  c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every_iters = 10  # Save the train state every N RL iterations (and at the end).
-  c.checkpoint.max_to_keep = 2  # Checkpoints kept on disk.
-
-  # Multi-host (jax.distributed): one process per host, same config and (shared) workdir.
-  c.distributed = ml_collections.ConfigDict()
-  c.distributed.coordinator_address = ""  # 'host:port' of process 0 ('': one process).
-  c.distributed.num_processes = 1  # Processes in the job (with coordinator_address).
-  c.distributed.process_id = 0  # This process's rank in [0, num_processes).
-  c.distributed.cluster_auto = False  # Let JAX detect the cluster (TPU pod, SLURM, Open MPI).
-  c.distributed.local_device_ids = ""  # This process's devices, e.g. '0,1' ('': all visible).
-  c.distributed.initialization_timeout_s = 300  # Seconds to wait for every process to join.
-  c.distributed.heartbeat_timeout_s = 100  # A silent process fails the job after this.
-
+  # Every field and its comment: jaxvla/defaults.py (the package's own defaults).
+  c = defaults.get_config()
   if variant == "smoke":
     c.total_env_steps = 2_000
     c.num_envs = 8

@@ -1,9 +1,11 @@
-"""Loading the project's config files (``configs/*.py``) by path, from library code.
+"""Loading the checkout's config files (``configs/*.py``) by path, for the benchmarks.
 
 A config file defines ``get_config(arg=None) -> ConfigDict``, as ml_collections'
-``config_flags`` expects. Entry points read them through ``--config=PATH[:ARG]``;
-library code (the parameter summary, the benchmarks) goes through
-:func:`load_config` instead, which executes the file by its path: the
+``config_flags`` expects. Entry points read them through ``--config=PATH[:ARG]``. The
+library's own defaults are code (:mod:`jaxvla.defaults`, :mod:`jaxvla.serving.config`),
+so an installed jaxvla reads no file of the checkout; a benchmark that measures a
+checkout config's env (``jaxvla.bench.envs``) goes through :func:`load_config`, which
+executes the file by its path: the
 top-level ``configs`` directory is not a package on ``sys.path`` once the
 process does not start at the repository root, and importing it as one would
 need ``sys.path`` edits.

@@ -30,7 +30,7 @@ import os
 import jax
 import ml_collections
 
-from jaxvla import checkpoint, config_files
+from jaxvla import checkpoint, defaults
 from jaxvla.data import norm_stats
 from jaxvla.envs import protocol
 from jaxvla.envs import spec_from_config, spec_from_json, spec_to_json
@@ -111,16 +111,15 @@ def detect(path: str) -> str:
 
 
 def _read_config(file: str) -> ml_collections.ConfigDict:
-  """A run's stored config. Model keys added to ``configs/default.py`` after the run was
-  written (e.g. ``model.lora``) take their defaults, which is what the run used."""
+  """A run's stored config. Model keys added to the defaults (:mod:`jaxvla.defaults`) after
+  the run was written (e.g. ``model.lora``) take their defaults, which is what the run used."""
   if not os.path.exists(file):
     raise FileNotFoundError(f"{file} is missing: the run's config is needed to build its "
                             "policy (or pass a config)")
   with open(file, encoding="utf-8") as f:
     stored = json.load(f)
   if isinstance(stored.get("model"), dict):
-    defaults = config_files.load_config(config_files.DEFAULT_CONFIG).model.to_dict()
-    stored["model"] = {**defaults, **stored["model"]}
+    stored["model"] = {**defaults.get_config().model.to_dict(), **stored["model"]}
   return ml_collections.ConfigDict(stored)
 
 

@@ -19,15 +19,16 @@ Parses flags only; docs/serving.md describes the protocol and the key maps.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import ml_collections
 
-from jaxvla import config_files, policy_io
+from jaxvla import policy_io
+from jaxvla.serving import config as serving_config
 from jaxvla.serving import server as server_lib
 
-SERVE_CONFIG = os.path.join(config_files.CONFIG_DIR, "serve.py")
+# The server's settings as a config file (config_flags reads files), inside the package.
+SERVE_CONFIG = serving_config.__file__
 
 
 def serve_config(base: ml_collections.ConfigDict, *, obs_map: str | None = None,
@@ -36,8 +37,7 @@ def serve_config(base: ml_collections.ConfigDict, *, obs_map: str | None = None,
   config = base.copy_and_resolve_references()
   with config.unlocked():
     if obs_map is not None:
-      # (the file's get_config(NAME) holds map NAME; an unknown name is its ValueError)
-      config.obs_map = config_files.load_config(SERVE_CONFIG, obs_map).obs_map
+      config.obs_map = serving_config.obs_map(obs_map)  # (an unknown name: its ValueError)
     for key, value in overrides.items():
       if value is not None:
         setattr(config, key, value)
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
       "config", None, "The policy's run config (':variant'); required for an openpi "
       "checkpoint. Default: the policy's own.", lock_config=True)
   serve_flag = config_flags.DEFINE_config_file(
-      "serve", SERVE_CONFIG, "Server settings (configs/serve.py[:obs_map]).",
+      "serve", SERVE_CONFIG, "Server settings (jaxvla/serving/config.py[:obs_map]).",
       lock_config=True)
   policy_flags = policy_io.define_flags()
   obs_map = flags.DEFINE_string("obs_map", None, "Observation keys clients send: jaxvla, "

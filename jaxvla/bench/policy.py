@@ -55,7 +55,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 
-from jaxvla import config_files, types
+from jaxvla import defaults, types
 from jaxvla.envs import protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import summary as summary_lib
@@ -213,7 +213,7 @@ def make_trajectory(batch: dict, chain, seed: int) -> types.Trajectory:
 
 def make_learner(policy) -> learner_lib.Learner:
   """``Learner`` with the default config's ``bc`` / ``ppo``, PPO at 1 epoch x 1 minibatch."""
-  c = config_files.load_config(config_files.DEFAULT_CONFIG)
+  c = defaults.get_config()
   c.ppo.num_epochs, c.ppo.num_minibatches = 1, 1
   return learner_lib.Learner(policy, c.bc, c.ppo)
 

@@ -127,7 +127,7 @@ def main(argv: list[str]) -> None:
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "The policy's run config (openpi checkpoints).", lock_config=True)
   serve_flag = config_flags.DEFINE_config_file(
-      "serve", serve.SERVE_CONFIG, "Server settings (configs/serve.py[:obs_map]).",
+      "serve", serve.SERVE_CONFIG, "Server settings (jaxvla/serving/config.py[:obs_map]).",
       lock_config=True)
   policy = flags.DEFINE_string("policy", None, "The policy to serve in this process.")
   connect = flags.DEFINE_string("connect", None, "HOST:PORT of a running server instead.")

@@ -37,7 +37,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxvla import config_files
+from jaxvla import defaults
 from jaxvla.envs import builtin, protocol
 
 # openpi's parameter trees (names, shapes, dtypes), read from openpi's own model code
@@ -62,17 +62,13 @@ OPENPI_MAX_TOKEN_LEN = {"pi0": 48, "pi05": 200}  # Pi0Config's prompt lengths.
 
 # ------------------------------------------------------------------ building --
 def default_config() -> ml_collections.ConfigDict:
-  """A fresh ``configs/default.py`` config (:data:`jaxvla.config_files.DEFAULT_CONFIG`).
-
-  Raises:
-    FileNotFoundError: the repository's ``configs/default.py`` is not next to the package.
-  """
-  return config_files.load_config(config_files.DEFAULT_CONFIG)
+  """A fresh default run config (:func:`jaxvla.defaults.get_config`)."""
+  return defaults.get_config()
 
 
 def model_config(model: str, variant: str, *,
                  dtype: str | None = None) -> ml_collections.ConfigDict:
-  """The ``model`` sub-config of ``configs/default.py`` for ``model`` / ``variant``.
+  """The default ``model`` sub-config (:mod:`jaxvla.defaults`) for ``model`` / ``variant``.
 
   ``full``: openpi's sizes (224 px, learned posemb, 32-dim state / actions,
   PaliGemma's vocabulary, openpi's prompt length) and bfloat16 compute unless

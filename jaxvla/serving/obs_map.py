@@ -1,6 +1,6 @@
 """A request dict -> the policy's :class:`~jaxvla.envs.protocol.Observation`, by an observation key map.
 
-The map (``configs/serve.py:obs_map``) says which request key feeds each of the
+The map (``jaxvla/serving/config.py:obs_map``) says which request key feeds each of the
 policy's cameras, which keys make up its state and where the prompt is. This
 module owns reading a request with it: the checks (every wrong key or shape is an
 :class:`ObservationError` naming the key and what was expected), openpi's image
@@ -90,7 +90,7 @@ class ObsMap:
   """Reads requests for a policy acting in ``spec`` (see the module docstring).
 
   Args:
-    config: the ``obs_map`` block of ``configs/serve.py``.
+    config: the ``obs_map`` block of ``jaxvla/serving/config.py``.
     spec: the env spec the policy was built for.
     default_prompt: the instruction of a request without one ('': required).
 

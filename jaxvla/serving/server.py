@@ -73,7 +73,7 @@ def _health_check(connection: ws_server.ServerConnection,
 
 
 class PolicyServer:
-  """Serves ``loaded`` with the settings ``config`` (``configs/serve.py``).
+  """Serves ``loaded`` with the settings ``config`` (``jaxvla/serving/config.py``).
 
   :meth:`serve_forever` runs in the calling thread until Ctrl-C; :meth:`start`
   runs the server in a thread (tests, the load test) until :meth:`close`.
