@@ -15,7 +15,7 @@ CLIP_EPS, VALUE_COEF, ENTROPY_COEF = 0.2, 0.5, 0.01
 CASES = [("none", 0.0, 0.0), ("decoupled", 0.0, 0.0), ("decoupled", 1.3, 0.0),
          ("decoupled", 1.3, 1.5), ("truncated_is", 1.3, 0.0)]
 METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "is_weight",
-           "is_truncated_frac", "behaviour_clip_frac")
+           "is_truncated_frac", "behaviour_clip_frac", "log_ratio_abs")
 
 
 def make_inputs(n, seed=0):
@@ -64,7 +64,8 @@ def numpy_ppo(d, correction, is_clip, behaviour_clip=0.0, is_clip_mode="truncate
       policy_loss=np.sum(w * pg_terms), value_loss=0.5 * np.sum(w * (d["val"] - d["ret"]) ** 2),
       entropy=np.sum(w * d["ent"]), approx_kl=np.sum(w * (ratio - 1 - np.log(ratio))),
       clip_frac=np.sum(w * (np.abs(ratio - 1) > CLIP_EPS)), is_weight=np.sum(w * rho),
-      is_truncated_frac=np.sum(w * truncated), behaviour_clip_frac=np.sum(w * held))
+      is_truncated_frac=np.sum(w * truncated), behaviour_clip_frac=np.sum(w * held),
+      log_ratio_abs=np.sum(w * np.abs(new - ref)))
   loss = (metrics["policy_loss"] + VALUE_COEF * metrics["value_loss"]
           - ENTROPY_COEF * metrics["entropy"])
   return loss, metrics, grad
@@ -209,7 +210,8 @@ def test_per_term_ratios_match_numpy(correction, is_clip, behaviour_clip):
   _, averaged, _ = numpy_ppo(dict(flat, w=flat["w"] / m), correction, is_clip, behaviour_clip)
   for k in ("policy_loss", "approx_kl"):
     np.testing.assert_allclose(metrics[k], summed[k], rtol=1e-5, atol=1e-6, err_msg=k)
-  for k in ("clip_frac", "is_weight", "is_truncated_frac", "behaviour_clip_frac"):
+  for k in ("clip_frac", "is_weight", "is_truncated_frac", "behaviour_clip_frac",
+            "log_ratio_abs"):
     np.testing.assert_allclose(metrics[k], averaged[k], rtol=1e-5, atol=1e-6, err_msg=k)
   value_loss = 0.5 * np.sum(d["w"] * (d["val"] - d["ret"]) ** 2)  # Per chunk, as before.
   np.testing.assert_allclose(metrics["value_loss"], value_loss, rtol=1e-5)
@@ -241,7 +243,8 @@ def numpy_term_corrected(d, is_clip, behaviour_clip):
       policy_loss=np.sum(w * -wt.mean(-1) * np.minimum(unclipped, clipped)),
       approx_kl=np.sum(w * (r - 1 - np.log(r))), clip_frac=np.sum(w * (np.abs(r - 1) > CLIP_EPS)),
       is_weight=np.sum(w * wt.mean(-1)), is_truncated_frac=np.sum(w * truncated.mean(-1)),
-      behaviour_clip_frac=np.sum(w * held.mean(-1)))
+      behaviour_clip_frac=np.sum(w * held.mean(-1)),
+      log_ratio_abs=np.sum(w * np.abs(np.log(r))))
   return metrics, grad
 
 

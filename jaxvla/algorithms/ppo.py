@@ -300,8 +300,10 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
     weight applied: 1 for "none"), ``is_weight_sq`` (its square's weighted mean:
     with ``is_weight``, the weights' effective sample size, see
     :func:`ess_fraction`) and ``is_truncated_frac`` (weight of chunks whose
-    importance weight was truncated at ``is_clip``) and ``behaviour_clip_frac``
-    (weight of chunks ``behaviour_clip`` held).
+    importance weight was truncated at ``is_clip``), ``behaviour_clip_frac``
+    (weight of chunks ``behaviour_clip`` held) and ``log_ratio_abs`` (the ratios' spread
+    around 1: the weighted mean of ``|log ratio|`` over the chunks, or over every term of
+    every chunk for per-term ratios). Like the others it adds up over micro-batches.
 
   Raises:
     ValueError: naming an unknown ``correction``, a missing
@@ -357,7 +359,8 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
       clip_frac=wsum(chunk_mean((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32))),
       is_weight=wsum(chunk_mean(is_weight)),
       is_weight_sq=wsum(chunk_mean(jnp.square(is_weight))),
-      is_truncated_frac=wsum(chunk_mean(truncated)), behaviour_clip_frac=wsum(chunk_mean(held)))
+      is_truncated_frac=wsum(chunk_mean(truncated)), behaviour_clip_frac=wsum(chunk_mean(held)),
+      log_ratio_abs=wsum(chunk_mean(jnp.abs(jax.lax.stop_gradient(log_ratio)))))
   return loss, metrics
 
 
