@@ -7,19 +7,19 @@ config checks compare ``model.chunk_len`` with it. Overriding ``env.task`` alone
 keeps that number; set ``--config.env.max_episode_steps=0`` for the suite limit
 (the adapter reads 0 as "the suite's"), as long as ``model.chunk_len`` passes the
 checks. No scripted expert exists, so RL starts from the initial (or a loaded)
-policy: ``bc.num_steps = 0``. Everything not set here is ``configs/default.py``.
+policy: ``bc.num_steps = 0``. Everything not set here is the default (``jaxvla/defaults.py``).
 """
 
 import ml_collections
 
-from configs import default
+from jaxvla import defaults
 from jaxvla.envs import libero as libero_env
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   task = arg or "libero_spatial/0"
   suite, _ = libero_env.parse_task(task)  # ValueError naming env.task and the suites
-  c = default.get_config()
+  c = defaults.get_config()
   c.total_env_steps = 2_000  # Budget: RL env steps of the whole run (settle steps excluded).
   c.num_envs = 2  # LIBERO instances.
   c.env_workers = 2  # One worker process per instance (MuJoCo is single-env).

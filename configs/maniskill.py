@@ -30,12 +30,12 @@ The RL method of ``sft_rl`` / ``sft_rl_short`` (``VARIANT,METHOD``, e.g.
 
 Pick the task with ``--config.env.task=StackCube-v1`` (tasks with a planner solution:
 PickCube, PushCube, StackCube, PullCube, LiftPegUpright, PlaceSphere, PegInsertionSide).
-Everything not set here is ``configs/default.py``.
+Everything not set here is the default (``jaxvla/defaults.py``).
 """
 
 import ml_collections
 
-from configs import default
+from jaxvla import defaults
 
 VARIANTS = ("", "state", "sft_rl", "sft_rl_short")
 METHODS = ("residual", "latent", "flow_sde", "pirl_sde", "pirl_noise", "grpo")
@@ -49,7 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if method and (variant not in ("sft_rl", "sft_rl_short") or method not in METHODS):
     raise ValueError(f"unknown method {method!r} of configs/maniskill.py:{variant}; the "
                      f"sft_rl variants take one of {METHODS}")
-  c = default.get_config()
+  c = defaults.get_config()
   c.total_env_steps = 20_000  # Budget: RL env steps of the whole run.
   c.num_envs = 4  # ManiSkill CPU instances.
   c.env_workers = 4  # One worker process per instance (the CPU simulator is single-env).
