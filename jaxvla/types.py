@@ -19,11 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence, TypeVar
+from typing import Any, NamedTuple, Sequence, TypeVar
 
 import jax
 import numpy as np
 from flax import struct
+
+
+class Counts(NamedTuple):
+  """Rollout data in the ledger's units (``jaxvla.runtime.ledger``), by name, so that no
+  caller depends on an order. ``segments``: PPO segments or GRPO episodes (what is in
+  flight in a builder); the ledger itself counts env steps and chunks."""
+  env_steps: int = 0
+  chunks: int = 0
+  segments: int = 0
 
 
 class Closed(Exception):

@@ -66,7 +66,8 @@ def test_builder_gathers_groups_whose_members_finish_apart():
       episode[i] += 1
     if step == 0:
       assert builder.pop_items() == []
-      assert builder.in_flight() == (4, 4, 20)  # env 0's episode waits for env 1's.
+      # env 0's episode waits for env 1's.
+      assert builder.in_flight() == types.Counts(segments=4, chunks=4, env_steps=20)
   items = builder.pop_items()
   assert len(items) == 2
   (g0, g1) = [it.data for it in items]
@@ -89,7 +90,7 @@ def test_builder_gathers_groups_whose_members_finish_apart():
   np.testing.assert_allclose(g1.advantage, [1.0, -1.0], atol=1e-5)
   np.testing.assert_allclose(g1.episode_return, [3.0, 1.0])
   # Env 0's second episode waits for env 1's; envs 1 and 2 have one chunk open.
-  assert builder.in_flight() == (3, 4, 20)
+  assert builder.in_flight() == types.Counts(segments=3, chunks=4, env_steps=20)
   cat = types.concat([g0, g1])
   assert cat.num_episodes == 4 and cat.log_prob.shape == (3, 4)
 

@@ -224,7 +224,7 @@ def test_lockstep_segments_equal_a_plain_loop():
     np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6, atol=1e-6,
                                err_msg=name)
   jax.tree.map(np.testing.assert_array_equal, got.batch, want.batch)
-  assert builder.in_flight() == (0, 0, 0)
+  assert builder.in_flight() == types.Counts(env_steps=0, chunks=0, segments=0)
 
 
 def test_inference_batches_pad_to_buckets():

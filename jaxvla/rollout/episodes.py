@@ -184,12 +184,12 @@ class EpisodeBuilder:
     self._ready = []
     return items
 
-  def in_flight(self) -> tuple[int, int, int]:
-    """``(episodes, chunks, env steps)`` started but not emitted: open, or waiting for
-    group-mates; chunks and env steps of chunks whose result arrived."""
+  def in_flight(self) -> types.Counts:
+    """Episodes (``segments``), chunks and env steps started but not emitted: open, or
+    waiting for group-mates; chunks and env steps of chunks whose result arrived."""
     waiting = [m for members in self._waiting.values() for m in members.values()]
     waiting += [m for members in self._ready for m in members]
     back = [c for chunks in self._open for c in chunks if "steps" in c]
     back += [c for m in waiting for c in m["chunks"]]
-    return (sum(1 for c in self._open if c) + len(waiting), len(back),
-            sum(int(c["steps"]) for c in back))
+    return types.Counts(segments=sum(1 for c in self._open if c) + len(waiting),
+                        chunks=len(back), env_steps=sum(int(c["steps"]) for c in back))

@@ -77,8 +77,8 @@ class Builder(Protocol):
   def pop_items(self) -> list[types.Item]:
     """The queue items completed so far (each returned once)."""
 
-  def in_flight(self) -> tuple[int, int, int]:
-    """``(segments or episodes, chunks, env steps)`` started but not yet returned as
+  def in_flight(self) -> types.Counts:
+    """Segments (or episodes), chunks and env steps started but not yet returned as
     items; chunks and env steps count only chunks whose result arrived."""
 
 
@@ -153,9 +153,9 @@ class Rollout:
     self.pacer, self.first_ready, self.min_bucket = pacer, first_ready, min_bucket
     self.episodes = evaluate_lib.EpisodeTracker()
     self.num_acts = 0
-    # (env steps, chunks) whose results arrived: produced, in the ledger's terms. One
+    # Env steps and chunks whose results arrived: produced, in the ledger's terms. One
     # tuple, replaced at once, so another thread reads a consistent pair.
-    self.produced: tuple[int, int] = (0, 0)
+    self.produced = types.Counts()
     self._obs: protocol.Observation | None = None  # Lockstep: the next observation.
     self._started_ready = False
     self._in_flight = 0  # First-ready: envs with a chunk sent and not yet received.
@@ -177,10 +177,10 @@ class Rollout:
   @property
   def env_steps(self) -> int:
     """Env steps whose results arrived (this process's rollout, since it started)."""
-    return self.produced[0]
+    return self.produced.env_steps
 
-  def in_flight(self) -> tuple[int, int, int]:
-    """``(segments or episodes, chunks, env steps)`` produced but not yet returned as
+  def in_flight(self) -> types.Counts:
+    """Segments (or episodes), chunks and env steps produced but not yet returned as
     items (chunks acted on but not yet back are not counted)."""
     return self.builder.in_flight()
 
@@ -227,7 +227,8 @@ class Rollout:
     """Hands ``result`` to the builder; values the observations that close a segment
     (after it: the bootstrap; inside it: the last ones of time-limit truncations)."""
     self.episodes.add(result.episodes)
-    self.produced = (self.produced[0] + int(result.steps.sum()), self.produced[1] + len(env_ids))
+    self.produced = types.Counts(env_steps=self.produced.env_steps + int(result.steps.sum()),
+                                 chunks=self.produced.chunks + len(env_ids))
     full = self.builder.on_result(env_ids, result)
     if full.size:
       finals = self.builder.final_obs(env_ids[full])

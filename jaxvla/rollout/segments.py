@@ -125,11 +125,12 @@ class SegmentBuilder:
                               num_chunks=traj.num_rows, num_env_steps=traj.num_env_steps))
     return items
 
-  def in_flight(self) -> tuple[int, int, int]:
-    """``(segments, chunks, env steps)`` started but not emitted (lost if the run
-    stops now); chunks and env steps of chunks whose result arrived."""
+  def in_flight(self) -> types.Counts:
+    """Segments, chunks and env steps started but not emitted (lost if the run stops
+    now); chunks and env steps of chunks whose result arrived."""
     back = [c for chunks in self._open for c in chunks if "steps" in c]
-    return (sum(1 for c in self._open if c) + len(self._done_segments),
-            len(back) + len(self._done_segments) * self.segment_len,
-            sum(int(c["steps"]) for c in back)
-            + sum(seg.num_env_steps for seg in self._done_segments))
+    return types.Counts(
+        segments=sum(1 for c in self._open if c) + len(self._done_segments),
+        chunks=len(back) + len(self._done_segments) * self.segment_len,
+        env_steps=sum(int(c["steps"]) for c in back)
+        + sum(seg.num_env_steps for seg in self._done_segments))

@@ -290,8 +290,8 @@ class Pipeline:
     # The run's history, summed over every process at each update (and by settle()).
     self.ledger = dataclasses.replace(ledger) if ledger is not None else ledger_lib.Ledger()
     self._ledger_start = dataclasses.replace(self.ledger)
-    # This process's counts already entered in the ledger: (produced, dropped) pairs.
-    self._seen = dict(produced=(0, 0), dropped=(0, 0))
+    # This process's counts already entered in the ledger.
+    self._seen = dict(produced=types.Counts(), dropped=types.Counts())
     self._taken: list[types.Item] = []  # Items of the update in progress (not yet trained).
     # Per update, in time order: clock seconds and the pool's worker-busy seconds then.
     self._mark_times, self._mark_busy = [0.0], [0.0]
@@ -446,14 +446,15 @@ class Pipeline:
     """
     produced = self.rollout.produced  # (one consistent pair; the thread may go on)
     stats = self.queue.stats
-    dropped = (stats.dropped_env_steps, stats.dropped_chunks)
+    dropped = types.Counts(env_steps=stats.dropped_env_steps, chunks=stats.dropped_chunks)
+    seen_produced, seen_dropped = self._seen["produced"], self._seen["dropped"]
     local = ledger_lib.Ledger(
-        produced_env_steps=produced[0] - self._seen["produced"][0],
-        produced_chunks=produced[1] - self._seen["produced"][1],
+        produced_env_steps=produced.env_steps - seen_produced.env_steps,
+        produced_chunks=produced.chunks - seen_produced.chunks,
         trained_env_steps=sum(it.num_env_steps for it in trained),
         trained_chunks=sum(it.num_chunks for it in trained),
-        dropped_env_steps=dropped[0] - self._seen["dropped"][0],
-        dropped_chunks=dropped[1] - self._seen["dropped"][1])
+        dropped_env_steps=dropped.env_steps - seen_dropped.env_steps,
+        dropped_chunks=dropped.chunks - seen_dropped.chunks)
     self._seen.update(produced=produced, dropped=dropped)
     summed = distributed.sum_over_hosts(np.concatenate(
         [local.to_array(), [self._stop_requested if stop is None else stop]]))
@@ -465,10 +466,10 @@ class Pipeline:
     """This process's data really in flight: the builder's, the queue's, items a
     closed queue refused and items taken by an update that did not finish. Exact
     once the threads have stopped."""
-    _, chunks, env_steps = self.rollout.in_flight()
+    building = self.rollout.in_flight()
     held = self.queue.snapshot() + self.feed.refused + self._taken
-    return dict(env_steps=env_steps + sum(it.num_env_steps for it in held),
-                chunks=chunks + sum(it.num_chunks for it in held))
+    return dict(env_steps=building.env_steps + sum(it.num_env_steps for it in held),
+                chunks=building.chunks + sum(it.num_chunks for it in held))
 
   def settle(self) -> dict[str, dict[str, int]]:
     """Closes the ledger after :meth:`stop`: enters the counts since the last update
