@@ -11,9 +11,12 @@ Variants:
           State observations: the CPU simulator renders a 64 px camera ~20x slower than
           it steps (docs/envs.md), and the task's state (joint positions and velocities,
           TCP, cube and goal poses) holds what the camera would show.
-  sft_rl_short  the same recipe shortened to about 5 minutes on 2 cores, the test
-          suite's learning run (tests/test_learning.py): PushCube-v1 from 20
-          demonstrations, then 80k RL env steps at a 3x larger step.
+  sft_rl_short  the same recipe shortened to about 5 minutes on 2 cores: PushCube-v1
+          from 20 demonstrations, then 80k RL env steps at a 3x larger step.
+  flow_rl, flow_rl_short  ``sft_rl`` / ``sft_rl_short`` with RL on the flow's own
+          weights: piRL's flow-noise (``pirl_noise`` below), the whole-flow method
+          that matched the residual head's gain on PushCube (docs/maniskill.md).
+          ``flow_rl_short`` is the test suite's learning run (tests/test_learning.py).
 
 The RL method of ``sft_rl`` / ``sft_rl_short`` (``VARIANT,METHOD``, e.g.
 ``sft_rl_short,pirl_sde``; docs/maniskill.md, "Methods"), every one from the same SFT:
@@ -37,7 +40,9 @@ import ml_collections
 
 from jaxvla import defaults
 
-VARIANTS = ("", "state", "sft_rl", "sft_rl_short")
+VARIANTS = ("", "state", "sft_rl", "sft_rl_short", "flow_rl", "flow_rl_short")
+# The whole-flow recipes: their SFT variant and RL method.
+FLOW_RL = {"flow_rl": ("sft_rl", "pirl_noise"), "flow_rl_short": ("sft_rl_short", "pirl_noise")}
 METHODS = ("residual", "latent", "flow_sde", "pirl_sde", "pirl_noise", "grpo")
 
 
@@ -49,6 +54,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if method and (variant not in ("sft_rl", "sft_rl_short") or method not in METHODS):
     raise ValueError(f"unknown method {method!r} of configs/maniskill.py:{variant}; the "
                      f"sft_rl variants take one of {METHODS}")
+  if variant in FLOW_RL:
+    variant, method = FLOW_RL[variant]
   c = defaults.get_config()
   c.total_env_steps = 20_000  # Budget: RL env steps of the whole run.
   c.num_envs = 4  # ManiSkill CPU instances.
