@@ -436,34 +436,32 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
                                   config.log.progress and distributed.is_primary())
   last_eval = run.warm_start_eval
   rl_start, rl_start_steps = time.perf_counter(), run.env_steps
-  last = dict(state=state, t=time.perf_counter())
   guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "RL update")
 
-  def on_update(info: pipeline_lib.UpdateInfo) -> None:
-    nonlocal last_eval
-    state = last["state"] = info.state
-    now = time.perf_counter()
-    learner_s, last["t"] = now - last["t"], now
-    run.iteration += 1
-    run.env_steps += info.env_steps + info.dropped_env_steps
-    sps = pipe.totals()["rollout_env_steps"] / (now - rl_start)
-    window = pipe.window_metrics()
-    s.writer.write(run.env_steps, "train", dict(
-        info.metrics, env_steps_per_s=sps, iteration_s=learner_s,
-        dropped_env_steps=info.dropped_env_steps, **window))
-    guard.check(float(info.metrics["nonfinite"]), run.iteration)  # (after its record)
-    done = run.env_steps >= config.total_env_steps
-    if run.iteration % config.eval.every_iters == 0 or done:
-      last_eval = _evaluate(config, s, state.params, eval_key)
-      s.writer.write(run.env_steps, "eval", last_eval)
-    if run.iteration % config.checkpoint.every_iters == 0 or done:
-      _save(s, run, state, pipe)
-    progress.update(run.env_steps, sps=sps, success=window.get("success_rate", 0.0),
-                    eval=last_eval["success_rate"], loss=info.metrics["loss"])
-
+  # The RL loop: after each update, log, evaluate and checkpoint.
   with _stop_on_sigint(pipe):
     try:
-      state = pipe.run(state, run.env_steps, config.total_env_steps, on_update)
+      t_update = time.perf_counter()
+      for info in pipe.updates(state, run.env_steps, config.total_env_steps):
+        state = info.state
+        now = time.perf_counter()
+        learner_s, t_update = now - t_update, now
+        run.iteration += 1
+        run.env_steps += info.env_steps + info.dropped_env_steps
+        sps = pipe.totals()["rollout_env_steps"] / (now - rl_start)
+        window = pipe.window_metrics()
+        s.writer.write(run.env_steps, "train", dict(
+            info.metrics, env_steps_per_s=sps, iteration_s=learner_s,
+            dropped_env_steps=info.dropped_env_steps, **window))
+        guard.check(float(info.metrics["nonfinite"]), run.iteration)  # (after its record)
+        done = run.env_steps >= config.total_env_steps
+        if run.iteration % config.eval.every_iters == 0 or done:
+          last_eval = _evaluate(config, s, state.params, eval_key)
+          s.writer.write(run.env_steps, "eval", last_eval)
+        if run.iteration % config.checkpoint.every_iters == 0 or done:
+          _save(s, run, state, pipe)
+        progress.update(run.env_steps, sps=sps, success=window.get("success_rate", 0.0),
+                        eval=last_eval["success_rate"], loss=info.metrics["loss"])
     finally:
       # Each closed even if one before it raises (a checkpoint that could not be
       # written must not leave env workers behind).
@@ -475,7 +473,6 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
         progress.close()
         pipe.stop()
         if pipe.interrupted:  # Ctrl-C: the last finished update's state is saved.
-          state = last["state"]
           _save(s, run, state, pipe)
           log.warning("interrupted: saved checkpoint %d (policy version %d); rerun with "
                       "--config.resume=True to continue", run.iteration, int(state.step))

@@ -34,6 +34,7 @@ last line of output is JSON with every row, ``speedup_vs_sync_colocated`` and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -171,7 +172,11 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: Parts) -> dict:
 
   total = timed_end + (_PROFILE_UPDATES.value if profile_dir else 0)
   try:
-    pipe.run(state, 0, 1 << 62, on_update_limit(on_update_traced, total, pipe))  # Donates state.
+    with contextlib.closing(pipe.updates(state, 0, 1 << 62)) as updates:  # Donates state.
+      for info in updates:
+        on_update_traced(info)
+        if len(marks) >= total:
+          pipe.request_stop()
   finally:
     if tracing[0]:
       jax.profiler.stop_trace()
@@ -220,19 +225,6 @@ def _profile_options() -> jax.profiler.ProfileOptions:
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0  # Python function spans would be most of a long trace.
   return options
-
-
-def on_update_limit(fn, total: int, pipe: pipeline_lib.Pipeline):
-  """``fn`` after each update; stops the pipeline after ``total`` updates."""
-  count = [0]
-
-  def wrapped(info):
-    fn(info)
-    count[0] += 1
-    if count[0] >= total:
-      pipe.request_stop()
-
-  return wrapped
 
 
 def stage_rates(base: ml_collections.ConfigDict, parts: Parts) -> dict[str, float]:

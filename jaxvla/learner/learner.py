@@ -34,7 +34,10 @@ points in the same order (they are collectives).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+from typing import Callable, ContextManager, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -476,3 +479,42 @@ class Learner:
     state, out = self._apply_jit(self._placed(state, self._ppo_state_sh), (grads, read),
                                  jnp.asarray(bump_version, bool))
     return state, dict(metrics, **out)
+
+  def streamed_update(self, state: TrainState, items: Iterable[types.Item], num_items: int,
+                      busy: Callable[[], ContextManager] = contextlib.nullcontext
+                      ) -> tuple[TrainState, dict]:
+    """L3's update: each item's gradient as it arrives, one optimizer step per minibatch
+    of items; the policy version grows by 1 at the last.
+
+    ``items`` yields the update's ``num_items`` items (lazily: the next is only asked for
+    once the previous one's gradient is taken), ``ppo.num_minibatches`` of them per
+    optimizer step. With several minibatches and a proximal pass
+    (:attr:`streamed_proximal`), the params the update starts from are kept (their trained
+    subtree) and the later minibatches are evaluated under them, so PPO's clip acts
+    around the proximal policy from the second step on, as in :meth:`update`.
+    ``busy()`` wraps the learner's compute (not the waits for items), for the caller's
+    stage clock.
+
+    Returns ``(state, metrics)``: the metrics averaged over the minibatches,
+    ``nonfinite`` any minibatch's.
+    """
+    version = int(state.step)
+    num_minibatches = self.ppo_config.num_minibatches
+    per_minibatch = num_items // num_minibatches
+    acc, sums = None, collections.defaultdict(float)
+    start = self.snapshot(state.params) if self.streamed_proximal else None
+    for j, item in enumerate(items):
+      with busy():
+        # Items are alike, so the minibatch's rows are known from its first.
+        grads = self.micro_grads(state.params, item.data, per_minibatch * item.data.num_rows,
+                                 version, proximal=start if j >= per_minibatch else None)
+        acc = self.accumulate(acc, grads)
+        if (j + 1) % per_minibatch == 0:
+          state, metrics = self.apply(state, acc, bump_version=j + 1 == num_items)
+          acc = None
+          for k, v in jax.device_get(metrics).items():
+            if k == "nonfinite":  # Bits: any minibatch's failure is the update's.
+              sums[k] = float(int(sums[k]) | int(v))
+            else:
+              sums[k] += float(v) / num_minibatches
+    return state, dict(sums)

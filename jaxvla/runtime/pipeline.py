@@ -69,7 +69,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import ml_collections
@@ -144,7 +144,7 @@ def make_builder(config: ml_collections.ConfigDict, spec: protocol.EnvSpec
 
 @dataclasses.dataclass
 class UpdateInfo:
-  """What the learner reports after each update (to ``on_update``)."""
+  """What the learner reports after each update (yielded by :meth:`Pipeline.updates`)."""
   state: learner_lib.TrainState
   metrics: dict[str, float]
   env_steps: int  # Env steps of the data this update consumed (all processes).
@@ -352,53 +352,25 @@ class Pipeline:
   # ----------------------------------------------------------------- learner --
   def _update(self, state: learner_lib.TrainState) -> tuple[learner_lib.TrainState, dict]:
     """Consumes one update's items (``self._taken``) and trains; returns ``(state, metrics)``."""
-    if self.levels.streamer:
-      return self._streamed_update(state)
     version = int(state.step)
+    if self.levels.streamer:
+      items = (self._take(version) for _ in range(self.items_per_update))
+      return self.learner.streamed_update(state, items, self.items_per_update,
+                                          busy=lambda: self.clock.busy("learner"))
     items = [self._take(version) for _ in range(self.items_per_update)]
     with self.clock.busy("learner"):
       state, metrics = self.learner.update(state, types.concat([it.data for it in items]))
       metrics = jax.device_get(metrics)
     return state, metrics
 
-  def _streamed_update(self, state: learner_lib.TrainState
-                       ) -> tuple[learner_lib.TrainState, dict]:
-    """L3: each item's gradient as it arrives; one optimizer step per minibatch of items.
+  def updates(self, state: learner_lib.TrainState, start_env_steps: int,
+              total_env_steps: int) -> Iterator[UpdateInfo]:
+    """Trains until ``total_env_steps``, yielding after every update (the caller's
+    metrics, evaluation and checkpoints run then, in this, the learner's, thread).
 
-    With several minibatches and a proximal pass (``update.uses_proximal_snapshot``), the
-    params the update starts from are kept (their trained subtree) and the later
-    minibatches are evaluated under them, so PPO's clip acts around the proximal policy
-    from the second step on, as in a non-streamed update."""
-    version = int(state.step)
-    num_minibatches = self.config.ppo.num_minibatches
-    per_minibatch = self.items_per_update // num_minibatches
-    acc, sums = None, collections.defaultdict(float)
-    start = self.learner.snapshot(state.params) if self.learner.streamed_proximal else None
-    for j in range(self.items_per_update):
-      item = self._take(version)
-      with self.clock.busy("learner"):
-        # Items are alike, so the minibatch's rows are known from its first.
-        grads = self.learner.micro_grads(state.params, item.data,
-                                         per_minibatch * item.data.num_rows, version,
-                                         proximal=start if j >= per_minibatch else None)
-        acc = self.learner.accumulate(acc, grads)
-        if (j + 1) % per_minibatch == 0:
-          last = j + 1 == self.items_per_update
-          state, metrics = self.learner.apply(state, acc, bump_version=last)
-          acc = None
-          for k, v in jax.device_get(metrics).items():
-            if k == "nonfinite":  # Bits: any minibatch's failure is the update's.
-              sums[k] = float(int(sums[k]) | int(v))
-            else:
-              sums[k] += float(v) / num_minibatches
-    return state, dict(sums)
-
-  def run(self, state: learner_lib.TrainState, start_env_steps: int, total_env_steps: int,
-          on_update: Callable[[UpdateInfo], None]) -> learner_lib.TrainState:
-    """Trains until ``total_env_steps``; calls ``on_update`` after every update.
-
-    ``on_update`` runs in this (the learner's) thread between updates: metrics,
-    evaluation and checkpoints. Returns the final state.
+    It ends early when the run is interrupted (Ctrl-C, :meth:`request_stop`): the last
+    state yielded is then the run's. Close it (``contextlib.closing``) or call
+    :meth:`stop` when done: the rollout thread and the broadcaster stop.
     """
     self.clock.start()
     self._publish(state, wait=True)
@@ -409,22 +381,21 @@ class Pipeline:
         try:
           state, metrics = self._update(state)
         except _Interrupted:
-          return state  # The state before the interrupted update (nothing donated yet).
+          return  # (nothing donated: the state yielded last stands)
         self._publish(state, wait=not self.levels.train_async)
         # Every process: the same totals, hence the same stop decision (a collective).
         delta, stop = self._account(trained=self._taken)
         self._taken = []
         self._mark_workers()
         env_steps += delta.trained_env_steps + delta.dropped_env_steps
-        on_update(UpdateInfo(state=state, metrics=metrics, env_steps=delta.trained_env_steps,
-                             dropped_env_steps=delta.dropped_env_steps))
+        yield UpdateInfo(state=state, metrics=metrics, env_steps=delta.trained_env_steps,
+                         dropped_env_steps=delta.dropped_env_steps)
         if stop:  # Multi-process Ctrl-C, after this update on every process.
           self.interrupted = True
-          return state
+          return
       self._raise_thread_error()
     finally:
       self.stop()
-    return state
 
   def stop(self) -> None:
     """Stops the rollout thread and the broadcaster; safe to call twice."""
