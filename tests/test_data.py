@@ -659,12 +659,12 @@ def test_expert_labels_are_its_clean_open_loop_plan():
   """With execution noise, a window of labels from a chunk boundary is the clean chunk
   the expert planned there (what a chunked policy should learn), not a relabelling of
   every step from the noisy states."""
-  from jaxvla.data import collect  # pylint: disable=import-outside-toplevel
+  from jaxvla.data import demonstrators  # pylint: disable=import-outside-toplevel
   from jaxvla.envs import builtin  # pylint: disable=import-outside-toplevel
   c = default.get_config()
   h = c.model.chunk_len
-  demo = collect.ExpertDemonstrator(builtin.make(c.env, 1, 0), noise=0.3, speed=0.4, seed=7,
-                                    horizon=h)
+  demo = demonstrators.ExpertDemonstrator(builtin.make(c.env, 1, 0), noise=0.3, speed=0.4,
+                                          seed=7, horizon=h)
   episodes = list(demo.episodes(3))
   twin = builtin.make(c.env, 1, 0)
   twin.reset(7)
