@@ -27,7 +27,7 @@ import tensorflow_datasets as tfds
 from configs import default
 from jaxvla import config_checks
 from jaxvla.data import config as data_config
-from jaxvla.data import lerobot, norm_stats, pipeline, rlds
+from jaxvla.data import lerobot, norm_stats, pipeline, readers, rlds
 from jaxvla.data.episodes import DataError
 from jaxvla.envs import normalized, protocol
 from jaxvla.models import policy as policy_lib
@@ -303,9 +303,9 @@ def test_round_trip(datasets, name, tolerance):
 
 
 def test_formats_are_detected(datasets):
-  assert pipeline.detect_format(datasets["rlds"]) == "rlds"
-  assert pipeline.detect_format(os.path.join(datasets["rlds"], "1.0.0")) == "rlds"
-  assert pipeline.detect_format(datasets["v3"]) == "lerobot"
+  assert readers.detect_format(datasets["rlds"]) == "rlds"
+  assert readers.detect_format(os.path.join(datasets["rlds"], "1.0.0")) == "rlds"
+  assert readers.detect_format(datasets["v3"]) == "lerobot"
 
 
 def test_samples_have_action_windows_masked_at_episode_ends(datasets):
@@ -659,12 +659,12 @@ def test_expert_labels_are_its_clean_open_loop_plan():
   """With execution noise, a window of labels from a chunk boundary is the clean chunk
   the expert planned there (what a chunked policy should learn), not a relabelling of
   every step from the noisy states."""
-  from jaxvla.data import collect  # pylint: disable=import-outside-toplevel
+  from jaxvla.data import demonstrators  # pylint: disable=import-outside-toplevel
   from jaxvla.envs import builtin  # pylint: disable=import-outside-toplevel
   c = default.get_config()
   h = c.model.chunk_len
-  demo = collect.ExpertDemonstrator(builtin.make(c.env, 1, 0), noise=0.3, speed=0.4, seed=7,
-                                    horizon=h)
+  demo = demonstrators.ExpertDemonstrator(builtin.make(c.env, 1, 0), noise=0.3, speed=0.4,
+                                          seed=7, horizon=h)
   episodes = list(demo.episodes(3))
   twin = builtin.make(c.env, 1, 0)
   twin.reset(7)

@@ -204,14 +204,14 @@ def test_lora_adapters_are_merged(tmp_path):
 
 
 def test_cli_exports_a_jaxvla_export(tmp_path):
-  """``python -m jaxvla.models.openpi_export`` on a jaxvla export (through policy_io.load)."""
+  """``python -m jaxvla.openpi_export`` on a jaxvla export (through policy_io.load)."""
   from jaxvla import checkpoint
   c, env, pol, params = _policy("pi0")
   src = tmp_path / "export"
   checkpoint.export_policy(str(src), params, c.to_json())
   policy_io.write_spec(str(src), env.spec)
   norm_stats.save_normalizer(str(src), _normalizer("zscore"))
-  run = subprocess.run([sys.executable, "-m", "jaxvla.models.openpi_export", f"--policy={src}",
+  run = subprocess.run([sys.executable, "-m", "jaxvla.openpi_export", f"--policy={src}",
                         f"--out={tmp_path / 'openpi'}", "--asset_id=colorreach"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr[-2000:]
@@ -221,7 +221,7 @@ def test_cli_exports_a_jaxvla_export(tmp_path):
   w = "PaliGemma/llm/layers/mlp/linear"
   np.testing.assert_array_equal(restored[w], openpi_import.flatten(params)[w])
   assert _openpi_load_norm_stats(tmp_path / "openpi" / "assets" / "colorreach")["actions"]
-  again = subprocess.run([sys.executable, "-m", "jaxvla.models.openpi_export", f"--policy={src}",
+  again = subprocess.run([sys.executable, "-m", "jaxvla.openpi_export", f"--policy={src}",
                           f"--out={tmp_path / 'openpi'}", "--asset_id=colorreach"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert again.returncode != 0 and "exists" in again.stderr.splitlines()[-1]

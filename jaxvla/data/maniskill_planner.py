@@ -1,5 +1,7 @@
 """ManiSkill3's motion-planning solutions as a demonstrator for :mod:`jaxvla.data.collect`.
 
+Registered for ``env.name = "maniskill"`` in :data:`jaxvla.data.demonstrators.DEMONSTRATORS`.
+
 mani-skill ships scripted solutions for Panda tasks
 (``mani_skill.examples.motionplanning.panda.solutions``, on ``mplib``): each
 plans a grasp and screw motions and steps a ``pd_joint_pos`` env along the path.
@@ -28,7 +30,7 @@ from collections.abc import Iterator
 import ml_collections
 import numpy as np
 
-from jaxvla.data import collect, planner_worker
+from jaxvla.data import demonstrators, planner_worker
 from jaxvla.envs import maniskill, protocol
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ def _planner_site() -> str:
 
 
 class PlannerDemonstrator:
-  """Episodes of ManiSkill3's motion planner on ``config.env`` (a :class:`collect.Demonstrator`).
+  """ManiSkill3's motion planner on ``config.env``, a :class:`demonstrators.Demonstrator`.
 
   Args:
     config: the run config (``env``: task, observation and control modes, time limit).
@@ -88,7 +90,7 @@ class PlannerDemonstrator:
             f"--max_episode_steps={e.max_episode_steps}",
             f"--seeds={','.join(map(str, seeds))}", f"--out={out}", f"--noise={self.noise}"]
 
-  def episodes(self, num_episodes: int) -> Iterator[collect.Episode]:
+  def episodes(self, num_episodes: int) -> Iterator[demonstrators.Episode]:
     """Attempts ``num_episodes`` seeds; an attempt whose solution raised before its first
     step yields nothing (it is counted in :meth:`report`)."""
     seeds = [self.seed + k for k in range(num_episodes)]
@@ -119,7 +121,7 @@ class PlannerDemonstrator:
         worker.stdout.close()
       shutil.rmtree(out, ignore_errors=True)
 
-  def _episode(self, file: str, seed: int) -> collect.Episode | None:
+  def _episode(self, file: str, seed: int) -> demonstrators.Episode | None:
     with np.load(file) as z:
       rec = {k: z[k] for k in z.files}
     os.remove(file)
@@ -134,7 +136,7 @@ class PlannerDemonstrator:
     if "actions" not in rec:
       return None
     self.labels += rec["actions"].size
-    return collect.Episode(images=rec["images"], state=rec["state"], actions=rec["actions"],
+    return demonstrators.Episode(images=rec["images"], state=rec["state"], actions=rec["actions"],
                            rewards=rec["rewards"],
                            instruction=maniskill.INSTRUCTIONS[self._env_config.task],
                            terminated=success, success=success)
@@ -153,7 +155,7 @@ class PlannerDemonstrator:
 
 def make(config: ml_collections.ConfigDict, num_envs: int, *,
          noise: float) -> PlannerDemonstrator:
-  """The :data:`collect.DEMONSTRATORS` factory: ``num_envs`` planner processes."""
+  """The :data:`demonstrators.DEMONSTRATORS` entry's factory: ``num_envs`` planner processes."""
   if noise < 0:
     raise ValueError(f"--noise={noise}: the execution noise's std must be >= 0")
   return PlannerDemonstrator(config, num_envs, noise=noise)

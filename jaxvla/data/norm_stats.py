@@ -247,7 +247,8 @@ def main(argv: list[str]) -> None:
   from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
 
-  from jaxvla.data import pipeline  # pylint: disable=import-outside-toplevel
+  # Only the command reads a dataset (and so imports its readers).
+  from jaxvla.data import readers  # pylint: disable=import-outside-toplevel
 
   config_flag = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
                                                 lock_config=True)
@@ -257,7 +258,7 @@ def main(argv: list[str]) -> None:
   def run(_):
     absl_logging.set_verbosity(absl_logging.WARNING)  # TFDS's INFO lines
     try:
-      reader = pipeline.open_reader(config_flag.value.data)
+      reader = readers.open_reader(config_flag.value.data)
     except ONE_LINE_ERRORS as e:
       sys.exit(f"error: {e}")
     file = save(out_flag.value, compute(reader.table))

@@ -1,7 +1,8 @@
 """From an on-disk dataset to behaviour-cloning batches: one grain pipeline for every format.
 
 * :func:`open_reader`: the ``data`` config -> an RLDS or LeRobot reader
-  (format from the config or detected from the files).
+  (format from the config or detected from the files); owned by
+  :mod:`jaxvla.data.readers` and re-exported here, where BC's users look for it.
 * :class:`StepSource`: a random-access source with one sample per step (or per
   ``stride``-th step of each episode): the cameras, state and instruction at the
   step and its next H actions with a validity mask (False past the episode's end).
@@ -30,7 +31,6 @@ A batch of :func:`make_dataset` (B = ``batch_size``)::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator
 
 import grain
@@ -39,57 +39,11 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from jaxvla.data import config as data_config
 from jaxvla.data import episodes as episodes_lib
-from jaxvla.data import lerobot, norm_stats, rlds
-from jaxvla.data.episodes import DataError, EpisodeReader, Features
+from jaxvla.data import norm_stats
+from jaxvla.data.episodes import DataError, EpisodeReader
+from jaxvla.data.readers import camera_present, open_reader
 from jaxvla.envs import protocol
-
-
-def features_from_config(d: ml_collections.ConfigDict) -> Features:
-  """The dataset keys named by the ``data`` sub-config (the cameras the dataset has)."""
-  return Features(cameras=tuple(k for k in d.cameras.values() if k != data_config.ABSENT_CAMERA),
-                  state=d.state_key, action=d.action_key, instruction=d.instruction_key)
-
-
-def camera_present(d: ml_collections.ConfigDict) -> tuple[bool, ...]:
-  """Per policy camera (``config.data.cameras`` order): whether the dataset has it."""
-  return tuple(k != data_config.ABSENT_CAMERA for k in d.cameras.values())
-
-
-def detect_format(path: str) -> str:
-  """``'lerobot'`` (``meta/info.json``) or ``'rlds'`` (a TFDS ``dataset_info.json``).
-
-  Raises:
-    DataError: ``path`` is missing or neither.
-  """
-  if not os.path.isdir(path):
-    raise DataError(f"{path}: no such dataset directory (config.data.path)")
-  if lerobot.is_lerobot(path):
-    return "lerobot"
-  if rlds.find_dataset_dir(path) is not None:
-    return "rlds"
-  raise DataError(f"{path}: neither a LeRobot dataset (meta/info.json) nor a TFDS RLDS "
-                  "dataset (dataset_info.json); set config.data.path to the dataset's root")
-
-
-def open_reader(d: ml_collections.ConfigDict) -> EpisodeReader:
-  """Opens the dataset ``d.path`` (the ``data`` sub-config) for training.
-
-  Raises:
-    DataError: naming the file, key or episode that does not fit the config.
-  """
-  if not d.path:
-    raise DataError("config.data.path is empty: no dataset to open")
-  fmt = detect_format(d.path) if d.format == "auto" else d.format
-  if d.format != "auto" and not os.path.isdir(d.path):
-    raise DataError(f"{d.path}: no such dataset directory (config.data.path)")
-  features = features_from_config(d)
-  if fmt == "rlds":
-    return rlds.RldsReader(d.path, features, split=d.split)
-  if fmt == "lerobot":
-    return lerobot.LeRobotReader(d.path, features, split=d.split)
-  raise DataError(f"config.data.format={d.format!r} is not one of 'auto', 'rlds', 'lerobot'")
 
 
 def dataset_spec(reader: EpisodeReader, d: ml_collections.ConfigDict) -> protocol.EnvSpec:
@@ -294,6 +248,5 @@ def normalizer_from_config(d, reader: EpisodeReader | None = None
   return norm_stats.Normalizer(norm_stats.compute(reader.table), d.normalize)
 
 
-__all__ = ["DataError", "StepSource", "bc_batches", "camera_present", "dataset_spec",
-           "detect_format", "features_from_config", "from_config", "make_dataset",
-           "normalizer_from_config", "open_reader"]
+__all__ = ["DataError", "StepSource", "bc_batches", "dataset_spec", "from_config",
+           "make_dataset", "normalizer_from_config", "open_reader"]

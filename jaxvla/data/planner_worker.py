@@ -25,7 +25,7 @@ action, and the action as a label in the policy's control mode, as ManiSkill's
 
 The gripper command (``1`` open, ``-1`` closed) is the same in both.
 
-With ``--noise S`` (DART-style, as :class:`jaxvla.data.collect.ExpertDemonstrator`'s
+With ``--noise S`` (DART-style, as :class:`jaxvla.data.demonstrators.ExpertDemonstrator`'s
 execution noise), the env executes the planner's arm targets plus Gaussian noise of
 std ``S`` radians, while the label stays the clean target: in
 ``pd_joint_delta_pos`` it is measured from the perturbed joint positions, so the

@@ -60,8 +60,7 @@ from typing import Any, NoReturn
 import ml_collections
 import numpy as np
 
-from jaxvla.envs import protocol
-from jaxvla.envs import worker
+from jaxvla.envs import protocol, registry, worker
 
 __all__ = ["ConfigEnvFn", "EnvFn", "EnvPool", "EnvState", "PoolStats", "config_env_fn",
            "env_seed"]
@@ -93,9 +92,8 @@ class ConfigEnvFn:
   num_envs: int | None = None
 
   def __call__(self, first_env_id: int, count: int, seed: int) -> protocol.VecEnv:
-    from jaxvla import envs  # the registry; imported here to avoid an import cycle
-    return envs.make_env(ml_collections.ConfigDict(self.env_config), count, seed,
-                         first_env_id=first_env_id, total_envs=self.num_envs)
+    return registry.make_env(ml_collections.ConfigDict(self.env_config), count, seed,
+                             first_env_id=first_env_id, total_envs=self.num_envs)
 
 
 def config_env_fn(env_config: ml_collections.ConfigDict | dict,

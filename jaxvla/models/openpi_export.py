@@ -29,9 +29,8 @@ refused unless ``allow_norm_mode_mismatch`` (the openpi config must then set
 refused too, because openpi needs the file: ``identity_norm_stats=True`` writes
 statistics under which openpi's transform leaves values unchanged up to its ``1e-6``.
 
-``python -m jaxvla.models.openpi_export --policy=DIR --out=DIR --asset_id=ID
-[--config=FILE] [--identity_norm_stats] [--allow_norm_mode_mismatch] [--base_only]`` loads any policy
-:func:`jaxvla.policy_io.load` reads and writes the export.
+The command, ``python -m jaxvla.openpi_export`` (:mod:`jaxvla.openpi_export`), loads any
+policy :func:`jaxvla.policy_io.load` reads and writes the export with :func:`export_loaded`.
 """
 
 from __future__ import annotations
@@ -214,41 +213,8 @@ def export_loaded(out_dir: str, loaded, asset_id: str, *, identity_norm_stats: b
                        allow_norm_mode_mismatch=allow_norm_mode_mismatch, identity_dims=dims)
 
 
-def main(argv: list[str]) -> None:
-  """The CLI (see the module docstring); prints one JSON line."""
-  from absl import app, flags  # pylint: disable=import-outside-toplevel
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-
-  from jaxvla import policy_io  # pylint: disable=import-outside-toplevel
-
-  config_flag = config_flags.DEFINE_config_file(
-      "config", None, "Run config (required for an openpi checkpoint; else the stored one).",
-      lock_config=True)
-  policy_flag = flags.DEFINE_string("policy", None, "A jaxvla export, run or openpi checkpoint.")
-  out_flag = flags.DEFINE_string("out", None, "The openpi checkpoint directory to write.")
-  asset_flag = flags.DEFINE_string("asset_id", None, "openpi's data.asset_id for the stats.")
-  identity_flag = flags.DEFINE_bool("identity_norm_stats", False,
-                                    "No normaliser: write identity statistics.")
-  mismatch_flag = flags.DEFINE_bool("allow_norm_mode_mismatch", False,
-                                    "Write statistics of the mode openpi does not use.")
-  base_flag = flags.DEFINE_bool("base_only", False,
-                                "A steered policy ('latent' / 'residual'): export its base flow.")
-  flags.mark_flags_as_required(["policy", "out", "asset_id"])
-
-  def run(_):
-    jax.config.update("jax_platforms", "cpu")  # Host arrays only: never wake an accelerator.
-    try:
-      loaded = policy_io.load(policy_flag.value, config_flag.value)
-      out = export_loaded(out_flag.value, loaded, asset_flag.value,
-                          identity_norm_stats=identity_flag.value,
-                          allow_norm_mode_mismatch=mismatch_flag.value,
-                          base_only=base_flag.value)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-      sys.exit(f"error: {e}")
-    print(json.dumps(dict(out, policy=loaded.path, kind=loaded.kind)))
-
-  app.run(run, argv)
-
-
 if __name__ == "__main__":
-  main(sys.argv)
+  # The command loads policies through jaxvla.policy_io, which sits above models/: it lives in
+  # jaxvla.openpi_export, so that nothing under models/ imports back up.
+  sys.exit("error: the openpi export's command is now `python -m jaxvla.openpi_export` "
+           "(same flags)")
