@@ -66,9 +66,10 @@ FULL_PIPELINE = (
     "--config.ppo.num_minibatches=4", "--config.pipeline.micro_batch_segments=8",
     "--config.pipeline.rollout_dtype=bfloat16",
 )
-# The same run with the tiny pi0, 16 envs in 2 workers and one timed update: seconds.
+# The same run with the tiny pi0, 16 envs in 2 workers and three timed updates (one
+# update's window can hold no usable rollout step on a loaded machine): seconds.
 DRY_PIPELINE = (
-    "--updates=1", "--warmup=1", "--stage_seconds=0.5", "--config.num_envs=16",
+    "--updates=3", "--warmup=1", "--stage_seconds=0.5", "--config.num_envs=16",
     "--config.env_workers=2", "--config.env.latency_ms=0", "--config.pipeline.b_max=4",
     "--config.pipeline.micro_batch_segments=4",
 )
