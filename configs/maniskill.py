@@ -175,6 +175,6 @@ def _set_method(c: ml_collections.ConfigDict, method: str) -> None:
     m.noise_std_min, m.noise_std_max = 0.08, 0.16
     ppo.entropy_coef = 0.005
   if method == "grpo":
-    ppo.algorithm = "grpo"
+    c.algorithm = "grpo"
     c.env.group_size = 8  # 16 envs: 2 groups of 8 per update.
     ppo.value_clip = 0.0  # (GRPO has no critic)

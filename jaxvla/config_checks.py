@@ -14,7 +14,7 @@ this file calls (one owner per rule): mesh sizes and rules
 
 import ml_collections
 
-from jaxvla import distributed, sharding
+from jaxvla import defaults, distributed, sharding
 from jaxvla.algorithms import grpo, ppo
 from jaxvla.data import config as data_config
 from jaxvla.envs import protocol
@@ -35,6 +35,7 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ``ValueError`` naming the first inconsistent field of ``c``."""
+  defaults.check_moved_keys(c)
   _require(c.total_env_steps >= 0, "total_env_steps", f"must be >= 0, got {c.total_env_steps}")
   _require(c.num_envs >= 1, "num_envs", f"must be >= 1, got {c.num_envs}")
   _require(c.env_workers >= 0 and (c.env_workers == 0 or c.num_envs % c.env_workers == 0),
@@ -142,12 +143,12 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
            "sync_colocated runs rollout on the learner's devices; leave it '' or use "
            "pipeline.mode='sync_disaggregated' / 'async'")
   on = p.mode == "async"
-  _require(c.ppo.algorithm in ("ppo", "grpo"), "ppo.algorithm",
-           f"must be 'ppo' or 'grpo', got {c.ppo.algorithm!r}")
-  if c.ppo.algorithm == "grpo":
+  _require(c.algorithm in ("ppo", "grpo"), "algorithm",
+           f"must be 'ppo' or 'grpo', got {c.algorithm!r}")
+  if c.algorithm == "grpo":
     g = c.env.group_size
     _require(g >= 2, "env.group_size", f"GRPO compares G >= 2 episodes per group, got {g}")
-    grpo.check_normalizer(c.ppo.loss_normalizer, streamed=on and p.streamer)
+    grpo.check_normalizer(c.grpo.loss_normalizer, streamed=on and p.streamer)
     groups = c.num_envs // g
     _require(groups % c.ppo.num_minibatches == 0 if (on and p.streamer)
              else c.num_envs % c.ppo.num_minibatches == 0, "ppo.num_minibatches",
@@ -171,7 +172,7 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
   _require(0.0 <= c.ppo.adam_b1 < 1.0, "ppo.adam_b1", f"must be in [0, 1), got {c.ppo.adam_b1}")
   _require(c.ppo.value_targets in ("rollout", "learner", "vtrace"), "ppo.value_targets",
            f"must be 'rollout', 'learner' or 'vtrace', got {c.ppo.value_targets!r}")
-  _require(c.ppo.value_targets == "rollout" or c.ppo.algorithm == "ppo", "ppo.value_targets",
+  _require(c.ppo.value_targets == "rollout" or c.algorithm == "ppo", "ppo.value_targets",
            "'learner' and 'vtrace' recompute the advantages from the critic; GRPO has none "
            "(leave it 'rollout')")
   _require(c.ppo.advantage_norm in ("minibatch", "none"), "ppo.advantage_norm",
@@ -180,7 +181,7 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
     items = c.num_envs // m
     _require(c.ppo.num_epochs == STREAMER_PPO["num_epochs"], "ppo.num_epochs",
              "the streamer makes one pass over each batch as it arrives: set ppo.num_epochs=1")
-    _require(c.ppo.algorithm == "grpo" or items % c.ppo.num_minibatches == 0,
+    _require(c.algorithm == "grpo" or items % c.ppo.num_minibatches == 0,
              "ppo.num_minibatches",
              f"the streamer's minibatches are groups of queue items: num_envs / "
              f"micro_batch_segments = {items} items must divide into {c.ppo.num_minibatches}")

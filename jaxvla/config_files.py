@@ -1,4 +1,5 @@
-"""Loading the checkout's config files (``configs/*.py``) by path, for the benchmarks.
+"""Loading the checkout's config files (``configs/*.py``) by path, for the benchmarks;
+the flag parser of the commands that take a run config (``--config.KEY=VALUE``).
 
 A config file defines ``get_config(arg=None) -> ConfigDict``, as ml_collections'
 ``config_flags`` expects. Entry points read them through ``--config=PATH[:ARG]``. The
@@ -15,8 +16,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import ml_collections
+from absl import app
+
+from jaxvla import defaults
 
 # The repository's configs/ directory: a sibling of the package directory. It exists in a
 # checkout (or an editable install), not in an installed wheel.
@@ -54,3 +59,14 @@ def load_config(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
   if get_config is None:
     raise AttributeError(f"config file {path} defines no get_config()")
   return get_config() if arg is None else get_config(arg)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (``app.run(main, flags_parser=parse_flags)``), after refusing a
+  moved config key (:data:`jaxvla.defaults.MOVED_KEYS`) with its new name: the config
+  flag would only say that the old key does not exist. Exits with status 1 then."""
+  moved = defaults.moved_in_argv(argv[1:])
+  if moved:
+    sys.stderr.write(f"error: {moved}\n")
+    sys.exit(1)
+  return app.parse_flags_with_usage(argv)

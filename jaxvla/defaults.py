@@ -13,6 +13,39 @@ from jaxvla import sharding
 from jaxvla.data import config as data_config
 
 
+# Keys that moved: old dotted path -> new. A config or command line that still sets an
+# old key is refused with the new one named (:func:`check_moved_keys`, :func:`moved_in_argv`;
+# :func:`jaxvla.config_checks.validate` and ``jaxvla.main`` call them).
+MOVED_KEYS = {
+    "ppo.algorithm": "algorithm",
+    "ppo.loss_normalizer": "grpo.loss_normalizer",
+    "ppo.grpo_scale": "grpo.scale",
+}
+
+
+def _moved_message(old: str) -> str:
+  return f"config.{old} has moved to config.{MOVED_KEYS[old]}; set that instead"
+
+
+def check_moved_keys(c: ml_collections.ConfigDict) -> None:
+  """Raises ``ValueError`` naming the new key if ``c`` sets a key of :data:`MOVED_KEYS`
+  (a config file written for an older jaxvla: an unlocked ConfigDict takes any key)."""
+  for old in MOVED_KEYS:
+    section, key = old.rsplit(".", 1)
+    if key in c.get(section, {}):
+      raise ValueError(_moved_message(old))
+
+
+def moved_in_argv(argv: list[str]) -> str | None:
+  """The error for the first ``--config.<old key>=...`` of ``argv`` (None if none): flag
+  parsing would otherwise only say that the key does not exist."""
+  for arg in argv:
+    name = arg.split("=", 1)[0].lstrip("-")
+    if name.startswith("config.") and name[len("config."):] in MOVED_KEYS:
+      return _moved_message(name[len("config."):])
+  return None
+
+
 def get_config() -> ml_collections.ConfigDict:
   """The default run config (``configs/default.py`` without a variant)."""
   c = ml_collections.ConfigDict()
@@ -113,6 +146,13 @@ def get_config() -> ml_collections.ConfigDict:
   # never acts from, took the small model's capacity).
   c.data.stride = 0  # 0: the chunk length.
 
+  # The RL objective. Both are clipped policy-gradient updates with the settings in
+  # ``ppo`` (clip, epochs, minibatches, corrections); GRPO's own are in ``grpo``.
+  c.algorithm = "ppo"  # 'ppo' (GAE, value head) or 'grpo' (group-normalised episode returns).
+  c.grpo = ml_collections.ConfigDict()
+  c.grpo.loss_normalizer = "trajectory"  # 'chunks', 'trajectory' (1/|tau|) or 'constant' (1/K).
+  c.grpo.scale = True  # Divide by the group's return std (False: Dr. GRPO).
+
   c.ppo = ml_collections.ConfigDict()
   c.ppo.learning_rate = 1e-4  # Adam learning rate of the RL phase.
   c.ppo.gamma = 0.99  # Discount per chunk step.
@@ -144,9 +184,6 @@ def get_config() -> ml_collections.ConfigDict:
   # finite is not applied (counted, logged).
   c.ppo.max_bad_updates = 3  # This many non-finite updates in a row stop the run.
   c.ppo.target_kl = 0.0  # Skip the rest of an update once approx. KL exceeds this (0: off).
-  c.ppo.algorithm = "ppo"  # 'ppo' (GAE, value head) or 'grpo' (group-normalised episode returns).
-  c.ppo.loss_normalizer = "trajectory"  # GRPO: 'chunks', 'trajectory' (1/|tau|) or 'constant' (1/K).
-  c.ppo.grpo_scale = True  # GRPO: divide by the group's return std (False: Dr. GRPO).
   c.ppo.advantage_norm = "minibatch"  # Advantage normalisation: 'minibatch' stats or 'none'.
   # 'decoupled' (the default) is plain PPO on fresh data (behaviour = proximal policy) at
   # the cost of one forward pass per update, and corrects stale (async) or bf16-rollout

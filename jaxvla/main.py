@@ -18,7 +18,7 @@ from ml_collections import config_flags
 # Only light modules here: flags and configs are parsed (and a typo reported) before the
 # training stack (flax, orbax, the data and env libraries: seconds) is imported, and a
 # direct start re-executes under launch/env.sh (runtime_env.ensure) before it is, too.
-from jaxvla import runtime_env, workdir as workdir_lib
+from jaxvla import config_files, runtime_env, workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Config file (optionally ':variant').", lock_config=True)
@@ -58,4 +58,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -82,7 +82,13 @@ class RunState:
 
 @dataclasses.dataclass
 class Setup:
-  """Objects built once per run."""
+  """What one run owns, built once: its envs, policy, learner, checkpointer and writer.
+
+  A context manager: leaving it closes the rollout and evaluation env pools, the
+  checkpointer (waiting for its saves) and the metric writer, each even if one
+  closed before it raises, so no env worker outlives the run however it ends.
+  """
+  env: protocol.VecEnv  # This process's rollout envs.
   policy: contract.Policy
   learner: learner_lib.Learner
   act_train: object
@@ -92,40 +98,68 @@ class Setup:
   writer: metrics_lib.MetricWriter
   checkpointer: checkpoint_lib.Checkpointer
   workdir: str  # The run's directory (demonstrations are recorded under it).
-  spec: protocol.EnvSpec  # The env's, which the policy is built for.
+  closing: contextlib.ExitStack  # What __exit__ closes.
   rollout_sharding: object = None
   # State/action normalisation between env and policy (set by _initial_state).
   normalizer: norm_lib.Normalizer | None = None
 
+  @property
+  def spec(self) -> protocol.EnvSpec:
+    """The env's, which the policy is built for."""
+    return self.env.spec
 
-def _build(config: ml_collections.ConfigDict, workdir: str, spec) -> Setup:
-  policy = policy_lib.make_policy(config.model, spec)
-  # The learner mesh: this host's learner devices (config.mesh.{data,fsdp,tensor}); the
-  # rollout acts on config.mesh.rollout_devices (by default the same devices).
-  # (Multi-process: the learner devices of every process, this process's rollout devices.)
-  learner_devices, rollout_devices = sharding_lib.role_devices(config.mesh.rollout_devices)
-  mesh = sharding_lib.make_mesh(config.mesh, learner_devices)
-  config_checks.validate_batch_shards(config, sharding_lib.num_batch_shards(mesh,
-                                                                            config.mesh.rules),
-                                      num_processes=jax.process_count())
-  log.info("learner mesh %s on %d devices (%d processes); rollout on %d devices of process %d",
-           dict(mesh.shape), len(learner_devices), jax.process_count(), len(rollout_devices),
-           jax.process_index())
-  return Setup(
-      workdir=workdir, spec=spec,
-      rollout_sharding=sharding_lib.rollout_sharding(rollout_devices),
-      policy=policy,
-      learner=learner_lib.Learner(policy, config.bc, config.ppo, mesh=mesh,
-                                  rules=config.mesh.rules,
-                                  behaviour_is_proximal=config.pipeline.mode == "sync_colocated"),
-      act_train=jax.jit(functools.partial(policy.act, mode="train")),
-      act_eval=evaluate_lib.row_keyed_act(policy),
-      value_fn=jax.jit(policy.value),
-      # Evaluation and demonstrations play independent episodes (no GRPO groups).
-      eval_env=_eval_env(config) if distributed.is_primary() else None,
-      writer=metrics_lib.MetricWriter(workdir, enabled=distributed.is_primary()),
-      checkpointer=checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                               config.checkpoint.max_to_keep))
+  def __enter__(self) -> "Setup":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.closing.close()
+
+
+def _build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
+  """Opens the run's envs, checkpointer and writer and builds its policy and learner
+  (what was opened is closed again if a later part fails)."""
+  closing = contextlib.ExitStack()
+  try:
+    env = make_vec_env(config.env, config.num_envs, distributed.host_seed(config.seed),
+                       num_workers=config.env_workers,
+                       step_timeout_s=config.env_step_timeout_s,
+                       hang_floor_s=config.env_hang_floor_s)
+    closing.callback(env.close)
+    writer = metrics_lib.MetricWriter(workdir, enabled=distributed.is_primary())
+    closing.callback(writer.close)
+    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                               config.checkpoint.max_to_keep)
+    closing.callback(checkpointer.close)
+    # Evaluation and demonstrations play independent episodes (no GRPO groups).
+    eval_env = _eval_env(config) if distributed.is_primary() else None
+    if eval_env is not None:
+      closing.callback(eval_env.close)
+    policy = policy_lib.make_policy(config.model, env.spec)
+    # The learner mesh: this host's learner devices (config.mesh.{data,fsdp,tensor}); the
+    # rollout acts on config.mesh.rollout_devices (by default the same devices).
+    # (Multi-process: the learner devices of every process, this process's rollout devices.)
+    learner_devices, rollout_devices = sharding_lib.role_devices(config.mesh.rollout_devices)
+    mesh = sharding_lib.make_mesh(config.mesh, learner_devices)
+    config_checks.validate_batch_shards(
+        config, sharding_lib.num_batch_shards(mesh, config.mesh.rules),
+        num_processes=jax.process_count())
+    log.info("learner mesh %s on %d devices (%d processes); rollout on %d devices of "
+             "process %d", dict(mesh.shape), len(learner_devices), jax.process_count(),
+             len(rollout_devices), jax.process_index())
+    return Setup(
+        env=env, workdir=workdir, closing=closing,
+        rollout_sharding=sharding_lib.rollout_sharding(rollout_devices),
+        policy=policy,
+        learner=learner_lib.Learner(
+            policy, config, mesh=mesh, rules=config.mesh.rules,
+            behaviour_is_proximal=config.pipeline.mode == "sync_colocated"),
+        act_train=jax.jit(functools.partial(policy.act, mode="train")),
+        act_eval=evaluate_lib.row_keyed_act(policy),
+        value_fn=jax.jit(policy.value),
+        eval_env=eval_env, writer=writer, checkpointer=checkpointer)
+  except BaseException:
+    closing.close()
+    raise
 
 
 def _eval_env(config: ml_collections.ConfigDict) -> protocol.VecEnv:
@@ -399,116 +433,97 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
   if not config.resume:  # (a resume's, once its checkpoint is known to fit)
     write_config()
   rng = jax.random.PRNGKey(config.seed)
-  env = make_vec_env(config.env, config.num_envs, distributed.host_seed(config.seed),
-                     num_workers=config.env_workers, step_timeout_s=config.env_step_timeout_s,
-                     hang_floor_s=config.env_hang_floor_s)
   setup_key, rollout_key, _ = jax.random.split(rng, 3)
   # Every evaluation of the run samples with the warm start's key: the same episodes and
   # the same sampler noise (common random numbers), so a change in success between two
   # evaluations is the policy's change, not another draw of the noise.
   eval_key = _setup_keys(setup_key)[3]
-  s = None
-  try:
-    s = _build(config, workdir, env.spec)
+  with _build(config, workdir) as s:
     state, run = _initial_state(config, s, setup_key, written)
-  except BaseException:  # (a refused checkpoint, say): no env worker outlives the error
-    env.close()
-    if s is not None:
-      s.checkpointer.close()
-      s.writer.close()
-      if s.eval_env is not None:
-        s.eval_env.close()
-    raise
-  if config.resume:
-    write_config()
-  if jax.process_count() > 1:  # Each process samples its own actions.
-    rollout_key = jax.random.fold_in(rollout_key, jax.process_index())
-  checkpointed = ledger_lib.Ledger.from_meta(run.ledger)
-  ledger = checkpointed.resumed()  # (a fresh run's is empty: nothing to discard)
-  pipe = pipeline_lib.Pipeline(config, s.policy, s.learner, normalized.wrap(env, s.normalizer),
-                               s.act_train, s.value_fn,
-                               s.rollout_sharding, jax.random.fold_in(rollout_key, run.iteration),
-                               seed=distributed.host_seed(config.seed + run.iteration),
-                               version=int(state.step), ledger=ledger)
-  resumed_at = run.env_steps
-  discarded = {unit: checkpointed.in_flight(unit) for unit in ledger_lib.UNITS}
-  progress = metrics_lib.Progress(config.total_env_steps, run.env_steps,
-                                  config.log.progress and distributed.is_primary())
-  last_eval = run.warm_start_eval
-  rl_start, rl_start_steps = time.perf_counter(), run.env_steps
-  guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "RL update")
+    if config.resume:
+      write_config()
+    if jax.process_count() > 1:  # Each process samples its own actions.
+      rollout_key = jax.random.fold_in(rollout_key, jax.process_index())
+    checkpointed = ledger_lib.Ledger.from_meta(run.ledger)
+    ledger = checkpointed.resumed()  # (a fresh run's is empty: nothing to discard)
+    pipe = pipeline_lib.Pipeline(config, s.policy, s.learner,
+                                 normalized.wrap(s.env, s.normalizer), s.act_train, s.value_fn,
+                                 s.rollout_sharding,
+                                 jax.random.fold_in(rollout_key, run.iteration),
+                                 seed=distributed.host_seed(config.seed + run.iteration),
+                                 version=int(state.step), ledger=ledger)
+    resumed_at = run.env_steps
+    discarded = {unit: checkpointed.in_flight(unit) for unit in ledger_lib.UNITS}
+    progress = metrics_lib.Progress(config.total_env_steps, run.env_steps,
+                                    config.log.progress and distributed.is_primary())
+    last_eval = run.warm_start_eval
+    rl_start, rl_start_steps = time.perf_counter(), run.env_steps
+    guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "RL update")
 
-  # The RL loop: after each update, log, evaluate and checkpoint.
-  with _stop_on_sigint(pipe):
-    try:
-      t_update = time.perf_counter()
-      for info in pipe.updates(state, run.env_steps, config.total_env_steps):
-        state = info.state
-        now = time.perf_counter()
-        learner_s, t_update = now - t_update, now
-        run.iteration += 1
-        run.env_steps += info.env_steps + info.dropped_env_steps
-        sps = pipe.totals()["rollout_env_steps"] / (now - rl_start)
-        window = pipe.window_metrics()
-        s.writer.write(run.env_steps, "train", dict(
-            info.metrics, env_steps_per_s=sps, iteration_s=learner_s,
-            dropped_env_steps=info.dropped_env_steps, **window))
-        guard.check(float(info.metrics["nonfinite"]), run.iteration)  # (after its record)
-        done = run.env_steps >= config.total_env_steps
-        if run.iteration % config.eval.every_iters == 0 or done:
-          last_eval = _evaluate(config, s, state.params, eval_key)
-          s.writer.write(run.env_steps, "eval", last_eval)
-        if run.iteration % config.checkpoint.every_iters == 0 or done:
-          _save(s, run, state, pipe)
-        progress.update(run.env_steps, sps=sps, success=window.get("success_rate", 0.0),
-                        eval=last_eval["success_rate"], loss=info.metrics["loss"])
-    finally:
-      # Each closed even if one before it raises (a checkpoint that could not be
-      # written must not leave env workers behind).
-      with contextlib.ExitStack() as closing:
-        if s.eval_env is not None:
-          closing.callback(s.eval_env.close)
-        closing.callback(env.close)
-        closing.callback(s.checkpointer.close)
+    # The RL loop: after each update, log, evaluate and checkpoint.
+    with _stop_on_sigint(pipe):
+      try:
+        t_update = time.perf_counter()
+        for info in pipe.updates(state, run.env_steps, config.total_env_steps):
+          state = info.state
+          now = time.perf_counter()
+          learner_s, t_update = now - t_update, now
+          run.iteration += 1
+          run.env_steps += info.env_steps + info.dropped_env_steps
+          sps = pipe.totals()["rollout_env_steps"] / (now - rl_start)
+          window = pipe.window_metrics()
+          s.writer.write(run.env_steps, "train", dict(
+              info.metrics, env_steps_per_s=sps, iteration_s=learner_s,
+              dropped_env_steps=info.dropped_env_steps, **window))
+          guard.check(float(info.metrics["nonfinite"]), run.iteration)  # (after its record)
+          done = run.env_steps >= config.total_env_steps
+          if run.iteration % config.eval.every_iters == 0 or done:
+            last_eval = _evaluate(config, s, state.params, eval_key)
+            s.writer.write(run.env_steps, "eval", last_eval)
+          if run.iteration % config.checkpoint.every_iters == 0 or done:
+            _save(s, run, state, pipe)
+          progress.update(run.env_steps, sps=sps, success=window.get("success_rate", 0.0),
+                          eval=last_eval["success_rate"], loss=info.metrics["loss"])
+      finally:
         progress.close()
         pipe.stop()
         if pipe.interrupted:  # Ctrl-C: the last finished update's state is saved.
           _save(s, run, state, pipe)
           log.warning("interrupted: saved checkpoint %d (policy version %d); rerun with "
                       "--config.resume=True to continue", run.iteration, int(state.step))
-  ledger_report = pipe.settle()  # (a collective: every process gets here)
-  pipeline_metrics = pipe.metrics()
-  s.writer.write(run.env_steps, "pipeline", pipeline_metrics)
-  if config.pipeline.timeline and distributed.is_primary():
-    pipe.save_timeline(os.path.join(workdir, "timeline.json"))
-  export_dir = checkpoint_lib.export_policy(os.path.join(workdir, "export"), state.params,
-                                            config.to_json_best_effort(),
-                                            write_config=distributed.is_primary())
-  if distributed.is_primary():  # (the export acts correctly with nothing else)
-    norm_lib.save_normalizer(export_dir, s.normalizer)
-    policy_io.write_spec(export_dir, s.spec)
-  wall_s = time.perf_counter() - t_start
-  summary = dict(
-      # Rates over this process's life: after a resume, the steps it ran in its time.
-      env_steps=run.env_steps, env_steps_this_process=run.env_steps - resumed_at,
-      wall_s=round(wall_s, 2),
-      env_steps_per_s=round((run.env_steps - resumed_at) / wall_s, 2),
-      rl_env_steps_per_s=round((run.env_steps - rl_start_steps)
-                               / max(time.perf_counter() - rl_start, 1e-9), 2),
-      success_rate=last_eval["success_rate"],
-      success_rate_source=(f"evaluation of {int(last_eval['num_episodes'])} fixed-seed episodes "
-                           f"with {_eval_policy_name(config)}"),
-      warm_start_success_rate=run.warm_start_success_rate,
-      train_success_rate_recent=pipeline_metrics.get("success_rate"),
-      iterations=run.iteration, policy_version=int(state.step), export_dir=export_dir,
-      pipeline=pipe.mode_name, **pipe.totals(), num_processes=jax.process_count(),
-      staleness_mean=pipeline_metrics.get("staleness_mean", 0.0),
-      nonfinite_updates=guard.total,
-      discarded_on_resume=discarded if config.resume else None,
-      # Where every env step the run produced went (its whole history, every process).
-      ledger=ledger_report, env_steps_unaccounted=ledger_report["env_steps"]["unaccounted"],
-      interrupted=pipe.interrupted)
-  s.writer.write(run.env_steps, "summary", {k: v for k, v in summary.items()
-                                            if isinstance(v, (int, float)) and k != "env_steps"})
-  s.writer.close()
+    ledger_report = pipe.settle()  # (a collective: every process gets here)
+    pipeline_metrics = pipe.metrics()
+    s.writer.write(run.env_steps, "pipeline", pipeline_metrics)
+    if config.pipeline.timeline and distributed.is_primary():
+      pipe.save_timeline(os.path.join(workdir, "timeline.json"))
+    export_dir = checkpoint_lib.export_policy(os.path.join(workdir, "export"), state.params,
+                                              config.to_json_best_effort(),
+                                              write_config=distributed.is_primary())
+    if distributed.is_primary():  # (the export acts correctly with nothing else)
+      norm_lib.save_normalizer(export_dir, s.normalizer)
+      policy_io.write_spec(export_dir, s.spec)
+    wall_s = time.perf_counter() - t_start
+    summary = dict(
+        # Rates over this process's life: after a resume, the steps it ran in its time.
+        env_steps=run.env_steps, env_steps_this_process=run.env_steps - resumed_at,
+        wall_s=round(wall_s, 2),
+        env_steps_per_s=round((run.env_steps - resumed_at) / wall_s, 2),
+        rl_env_steps_per_s=round((run.env_steps - rl_start_steps)
+                                 / max(time.perf_counter() - rl_start, 1e-9), 2),
+        success_rate=last_eval["success_rate"],
+        success_rate_source=(f"evaluation of {int(last_eval['num_episodes'])} fixed-seed "
+                             f"episodes with {_eval_policy_name(config)}"),
+        warm_start_success_rate=run.warm_start_success_rate,
+        train_success_rate_recent=pipeline_metrics.get("success_rate"),
+        iterations=run.iteration, policy_version=int(state.step), export_dir=export_dir,
+        pipeline=pipe.mode_name, **pipe.totals(), num_processes=jax.process_count(),
+        staleness_mean=pipeline_metrics.get("staleness_mean", 0.0),
+        nonfinite_updates=guard.total,
+        discarded_on_resume=discarded if config.resume else None,
+        # Where every env step the run produced went (its whole history, every process).
+        ledger=ledger_report, env_steps_unaccounted=ledger_report["env_steps"]["unaccounted"],
+        interrupted=pipe.interrupted)
+    s.writer.write(run.env_steps, "summary", {k: v for k, v in summary.items()
+                                              if isinstance(v, (int, float))
+                                              and k != "env_steps"})
   return summary

@@ -86,7 +86,7 @@ def main() -> None:
   params = host(params)
 
   if procs == 1 and not args.coordinator:  # The reference: one process, one device.
-    learner = learner_lib.Learner(pol, c.bc, c.ppo)
+    learner = learner_lib.Learner(pol, c)
     mine = np.arange(NUM_ENVS)
     micro_cols = [np.concatenate([np.arange(p * NUM_ENVS // 2, (p + 1) * NUM_ENVS // 2)
                                   [j * 2:(j + 1) * 2] for p in range(2)]) for j in range(MICRO)]
@@ -94,7 +94,7 @@ def main() -> None:
     learner_devices, _ = sharding.role_devices("")
     assert len(learner_devices) == procs, learner_devices
     mesh = sharding.make_mesh(c.mesh, learner_devices)
-    learner = learner_lib.Learner(pol, c.bc, c.ppo, mesh=mesh, rules=c.mesh.rules)
+    learner = learner_lib.Learner(pol, c, mesh=mesh, rules=c.mesh.rules)
     per = NUM_ENVS // procs
     mine = np.arange(rank * per, (rank + 1) * per)
     micro_cols = [mine[j * 2:(j + 1) * 2] for j in range(MICRO)]

@@ -71,7 +71,7 @@ def main(meshes: list[tuple[int, int, int]]) -> None:
   learner_lib.make_optimizer = _well_conditioned_optimizer
   env = builtin.make(c.env, c.num_envs, 0)
   pol = policy_lib.make_policy(c.model, env.spec)
-  plain = learner_lib.Learner(pol, c.bc, c.ppo)
+  plain = learner_lib.Learner(pol, c)
 
   # Inputs: a BC batch of the env's first observations, and a short rollout.
   params = pol.init(jax.random.PRNGKey(0))
@@ -91,7 +91,7 @@ def main(meshes: list[tuple[int, int, int]]) -> None:
 
   for shape in meshes:
     mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape)))
-    lrn = learner_lib.Learner(pol, c.bc, c.ppo, mesh=mesh, rules=c.mesh.rules)
+    lrn = learner_lib.Learner(pol, c, mesh=mesh, rules=c.mesh.rules)
 
     # (a) parameters are really sharded.
     bc_state = lrn.shard_state(bc_state0)

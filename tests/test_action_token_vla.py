@@ -131,7 +131,7 @@ def test_config_errors(smoke_config):
 def test_bc_loss_decreases_on_fixed_batch(smoke_config):
   s = _setup(smoke_config)
   pol, env = s["pol"], s["env"]
-  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(pol, smoke_config)
   # A host copy: bc_step donates the state, and the cached params are shared by other tests.
   state = learner_lib.init_state(jax.tree.map(np.array, s["params"]), lrn.bc_tx,
                                  jax.random.PRNGKey(0))
@@ -155,7 +155,7 @@ def test_ppo_update_changes_params(smoke_config):
       s["params"], 2, jax.random.PRNGKey(0), seed=0)
   assert traj.chain.shape == (2, 4, 1, pol.chunk_len, 2)
   before = jax.tree.map(np.array, s["params"])
-  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(pol, smoke_config)
   state = learner_lib.init_state(jax.tree.map(np.array, s["params"]), lrn.ppo_tx,
                                  jax.random.PRNGKey(0))
   state, metrics = lrn.update(state, traj)

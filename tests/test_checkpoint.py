@@ -40,7 +40,7 @@ def trained():
   config = default.get_config("smoke")
   env = builtin.make(config.env, 2, 0)
   pol = policy_lib.make_policy(config.model, env.spec)
-  lrn = learner_lib.Learner(pol, config.bc, config.ppo)
+  lrn = learner_lib.Learner(pol, config)
   states = []
   for seed in (0, 5):
     state = learner_lib.init_state(pol.init(jax.random.PRNGKey(seed)), lrn.ppo_tx,
@@ -97,7 +97,7 @@ def test_resume_continues_run(tmp_path):
   # The latest checkpoint holds the final params and optimizer state.
   env = builtin.make(smoke_config.env, 2, 0)
   pol = policy_lib.make_policy(smoke_config.model, env.spec)
-  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(pol, smoke_config)
   abstract = checkpoint_lib.abstract_like(
       learner_lib.init_state(pol.init(jax.random.PRNGKey(9)), lrn.ppo_tx, jax.random.PRNGKey(9)))
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), 2)
@@ -192,7 +192,7 @@ def test_damaged_latest_checkpoint_falls_back_and_mismatch_names_the_path(tmp_pa
   smoke_config.model.variant = "small"
   env = builtin.make(smoke_config.env, 2, 0)
   small = policy_lib.make_policy(smoke_config.model, env.spec)
-  lrn = learner_lib.Learner(small, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(small, smoke_config)
   abstract_small = jax.eval_shape(lambda: learner_lib.init_state(
       small.init(jax.random.PRNGKey(0)), lrn.ppo_tx, jax.random.PRNGKey(0)))
   ckpt = checkpoint_lib.Checkpointer(directory, max_to_keep=3)

@@ -36,6 +36,17 @@ def test_unknown_key_fails_naming_it():
   assert "learnin_rate" in r.stderr
 
 
+def test_moved_key_fails_naming_the_new_one():
+  r = run_main("--config=configs/default.py", "--config.ppo.algorithm=grpo")
+  assert r.returncode == 1
+  assert r.stderr.strip().splitlines()[-1] == (
+      "error: config.ppo.algorithm has moved to config.algorithm; set that instead")
+  c = default.get_config()  # A config file written for the old layout.
+  c.ppo.grpo_scale = False
+  with pytest.raises(ValueError, match=r"^config\.ppo\.grpo_scale has moved to config\.grpo\.scale"):
+    config_checks.validate(c)
+
+
 def test_wrong_type_fails_naming_it():
   r = run_main("--config=configs/default.py", "--config.num_envs=many")
   assert r.returncode != 0

@@ -211,7 +211,7 @@ def test_every_env_step_is_accounted_for_through_faults_and_a_resume(tmp_path, s
     (smoke_config[section] if section else smoke_config)[key] = v
   env = builtin.make(smoke_config.env, 2, 0)
   pol = policy_lib.make_policy(smoke_config.model, env.spec)
-  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(pol, smoke_config)
   abstract = checkpoint_lib.abstract_like(
       learner_lib.init_state(pol.init(jax.random.PRNGKey(9)), lrn.ppo_tx, jax.random.PRNGKey(9)))
   ckpt = checkpoint_lib.Checkpointer(ckpt_dir, 3)

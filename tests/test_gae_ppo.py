@@ -287,10 +287,11 @@ def test_mean_ratio_is_the_geometric_mean_of_the_terms(algorithm):
   new_lp = jnp.asarray(rng.normal(size=n) * 30, jnp.float32)  # Joint log-ratios of ~30.
   old_lp, adv = (jnp.asarray(rng.normal(size=n), jnp.float32) for _ in range(2))
   cfg = ml_collections.ConfigDict(dict(
-      algorithm=algorithm, ratio="mean", advantage_norm="none", gamma=0.99, gae_lambda=0.95,
+      ratio="mean", advantage_norm="none", gamma=0.99, gae_lambda=0.95,
       clip_eps=0.2, value_coef=0.0, entropy_coef=0.0, correction="none", is_clip=0.0,
-      behaviour_clip=0.0, loss_normalizer="chunks", **CRITIC))
-  objective = objectives.make_objective(_FixedLogProbs(), cfg)
+      behaviour_clip=0.0, **CRITIC))
+  objective = objectives.make_objective(_FixedLogProbs(), ml_collections.ConfigDict(dict(
+      algorithm=algorithm, ppo=cfg, grpo=dict(loss_normalizer="chunks"))))
   if algorithm == "ppo":
     rows = dict(batch={}, chain=jnp.zeros(n), log_prob=old_lp, adv=adv, returns=jnp.zeros(n),
                 value=jnp.zeros(n))
@@ -513,7 +514,7 @@ def test_per_term_rows_and_their_fresh_gradient_equal_the_joint_ones(smoke_confi
   for ratio in ("joint", "per_term_correction"):
     smoke_config.ppo.ratio = ratio
     rows = objectives.PPOObjective(pol, smoke_config.ppo).rows(traj)
-    lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+    lrn = learner_lib.Learner(pol, smoke_config)
     grads[ratio], metrics = lrn.micro_grads(params, traj, traj.num_rows)
     assert np.isfinite(float(metrics["loss"]))
   n = traj.num_rows
@@ -526,7 +527,7 @@ def test_per_term_rows_and_their_fresh_gradient_equal_the_joint_ones(smoke_confi
   # A whole update of two minibatches: the proximal pass's per-term log-probs line up
   # with the rows (the second minibatch's ratio is off 1, the first's weights are 1).
   smoke_config.ppo.update(num_epochs=1, num_minibatches=2)
-  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(pol, smoke_config)
   state = learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(1))
   _, metrics = lrn.update(state, traj)
   assert metrics["nonfinite"] == 0 and float(metrics["approx_kl"]) > 0

@@ -143,17 +143,14 @@ def test_builder_errors():
 
 
 # ------------------------------------------------------------ with the env --
-def _config(**ppo):
+def _config(loss_normalizer="trajectory", **ppo):
   c = default.get_config("smoke")
   c.num_envs, c.env.group_size = NUM_ENVS, GROUP_SIZE
   c.model.num_denoise_steps = 2
   # Easy reaches, 3 chunks at most: an untrained policy's returns and lengths vary.
   c.env.max_episode_steps, c.env.max_speed = 15, 0.5
   c.env.goal_radius = c.env.wrong_target_radius = 0.35
-  for k, v in dict(algorithm="grpo", loss_normalizer="trajectory", grpo_scale=True).items():
-    if k not in c.ppo:  # (Until configs/default.py has them.)
-      c.ppo[k] = v
-  c.ppo.algorithm = "grpo"
+  c.algorithm, c.grpo.loss_normalizer = "grpo", loss_normalizer
   c.ppo.update(ppo)
   return c
 
@@ -168,7 +165,7 @@ def _collect():
   act = jax.jit(functools.partial(pol.act, mode="train"))
   k = episodes_lib.max_chunks_per_episode(c.env.max_episode_steps, c.model.chunk_len)
   builder = episodes_lib.EpisodeBuilder(c.num_envs, c.env.group_size, k,
-                                        scale=c.ppo.grpo_scale)
+                                        scale=c.grpo.scale)
 
   def no_values(*_):
     raise AssertionError("GRPO asked for bootstrap values")
@@ -222,7 +219,7 @@ def test_rollout_items_are_whole_groups():
 def test_grpo_update_changes_params():
   c, pol, params, items, _ = _collect()
   c = _config(num_epochs=2, num_minibatches=2, correction="decoupled")
-  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  lrn = learner_lib.Learner(pol, c)
   state = learner_lib.init_state(jax.tree.map(np.array, params), lrn.ppo_tx,
                                  jax.random.PRNGKey(2))
   eb = types.concat([it.data for it in items[:2]])
@@ -239,7 +236,7 @@ def test_grpo_update_changes_params():
   assert max(jax.tree.leaves(moved)) > 0
   with pytest.raises(ValueError, match="ppo.num_minibatches=3"):
     bad = _config(num_minibatches=3)
-    learner_lib.Learner(pol, c.bc, bad.ppo).update(new_state, eb)
+    learner_lib.Learner(pol, bad).update(new_state, eb)
 
 
 class _LinearGaussian:
@@ -306,13 +303,13 @@ def test_streamed_grpo_equals_the_update(monkeypatch, normalizer, ratio):
   groups = [_near_policy(pol, params, it.data, seed) for seed, it in enumerate(items[:2])]
   c = _config(num_epochs=1, num_minibatches=1, loss_normalizer=normalizer,
               correction="decoupled", learning_rate=1e-2, ratio=ratio)
-  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  lrn = learner_lib.Learner(pol, c)
   copy = lambda t: jax.tree.map(np.array, jax.device_get(t))
   state0 = copy(learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(2)))
   eb = types.concat(groups)
   assert np.abs(eb.advantage).max() > 0.5  # (Else there would be no gradient.)
   if ratio != "joint":  # Rows of the executed dims' log-probs: [E, K, H * A].
-    rows = objectives.GRPOObjective(pol, c.ppo).rows(eb)
+    rows = objectives.GRPOObjective(pol, c.ppo, c.grpo.loss_normalizer).rows(eb)
     assert rows["log_prob"].shape == eb.log_prob.T.shape + (pol.action_size,)
   ref_state, ref_metrics = lrn.update(jax.device_put(state0), eb)
   state = jax.device_put(state0)
@@ -334,6 +331,6 @@ def test_streamed_grpo_equals_the_update(monkeypatch, normalizer, ratio):
 def test_streamed_chunks_normalizer_is_an_error():
   _, pol, params, items, _ = _collect()
   c = _config(loss_normalizer="chunks")
-  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
-  with pytest.raises(ValueError, match="config.ppo.loss_normalizer='chunks' cannot be streamed"):
+  lrn = learner_lib.Learner(pol, c)
+  with pytest.raises(ValueError, match="config.grpo.loss_normalizer='chunks' cannot be streamed"):
     lrn.micro_grads(jax.device_put(params), items[0].data, items[0].data.num_episodes)

@@ -151,7 +151,7 @@ def test_update_trains_only_adapters_and_heads(smoke_config):
   smoke_config.ppo.num_minibatches = 1
   env, pol = _policy(smoke_config, "both")
   params = jax.device_get(pol.init(jax.random.PRNGKey(0)))
-  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(pol, smoke_config)
   trained = set(oi.flatten(lrn.trainable.select(params)))
   flat = oi.flatten(params)
   assert {p for p in flat if lora.is_adapter(p)} <= trained
@@ -166,7 +166,7 @@ def test_update_trains_only_adapters_and_heads(smoke_config):
   assert sum(x.size for x in moments) == 2 * n_trained < n_total
   smoke_config.model.lora = "none"
   full_lrn = learner_lib.Learner(policy_lib.make_policy(smoke_config.model, env.spec),
-                                 smoke_config.bc, smoke_config.ppo)
+                                 smoke_config)
   full_params = _without_adapters(params)
   full_state = jax.eval_shape(lambda p: full_lrn.ppo_tx.init(p), full_params)
   assert sum(x.size for x in jax.tree.leaves(full_state)

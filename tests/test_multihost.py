@@ -239,8 +239,8 @@ def test_two_process_sync_modes(tmp_path, mode):
   assert a["staleness_mean"] == 0.0 and a["success_rate"] == b["success_rate"]
 
 
-_GRPO = ("--config.env.group_size=2", "--config.ppo.algorithm=grpo",
-         "--config.ppo.loss_normalizer=constant")
+_GRPO = ("--config.env.group_size=2", "--config.algorithm=grpo",
+         "--config.grpo.loss_normalizer=constant")
 
 
 @pytest.mark.multihost

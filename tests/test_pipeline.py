@@ -348,7 +348,7 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
   order = np.array([t * 4 + e for half in ((0, 1), (2, 3)) for t in range(c.rollout_len)
                     for e in half])
   monkeypatch.setattr(jax.random, "permutation", lambda key, n: jnp.asarray(order))
-  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  lrn = learner_lib.Learner(pol, c)
   assert lrn.streamed_proximal
   copy = lambda t: jax.tree.map(np.array, jax.device_get(t))
   state0 = copy(learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(2)))
@@ -415,8 +415,8 @@ def test_grpo_trains_end_to_end(tmp_path, switches):
   c.total_env_steps = 600
   c.env_workers = 2
   c.env.group_size = 2
-  c.ppo.update(algorithm="grpo", num_epochs=1, num_minibatches=2, advantage_norm="none",
-               loss_normalizer="constant")
+  c.algorithm, c.grpo.loss_normalizer = "grpo", "constant"
+  c.ppo.update(num_epochs=1, num_minibatches=2, advantage_norm="none")
   c.bc.num_steps = 0  # RL from the fresh policy (the PPO runs above check the warm start)
   c.pipeline.update(switches)
   summary = train.train_and_evaluate(c, str(tmp_path / "grpo"))

@@ -46,7 +46,7 @@ def test_policy_reads_language_and_pixels(smoke_config):
 def test_bc_loss_decreases_on_fixed_batch(smoke_config):
   from jaxvla.learner import learner as learner_lib
   env, pol, params = _setup(smoke_config, 8)
-  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(pol, smoke_config)
   state = learner_lib.init_state(params, lrn.bc_tx, jax.random.PRNGKey(0))
   batch, acts = pol.prepare(env.observe()), env.expert_chunk(pol.chunk_len)
   losses = []

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_non_finite_bc_step_is_not_applied(smoke_config):
   env = builtin.make(smoke_config.env, 2, 0)
   pol = policy_lib.make_policy(smoke_config.model, env.spec)
-  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(pol, smoke_config)
   params = pol.init(jax.random.PRNGKey(0))
   host = lambda t: jax.tree.map(np.array, jax.device_get(t))
   before = host(params)
@@ -79,7 +79,7 @@ def test_diverging_run_stops_and_keeps_finite_checkpoints(tmp_path, smoke_config
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), 5)
   env = builtin.make(c.env, 2, 0)
   pol = policy_lib.make_policy(c.model, env.spec)
-  lrn = learner_lib.Learner(pol, c.bc, c.ppo)
+  lrn = learner_lib.Learner(pol, c)
   abstract = checkpoint_lib.abstract_like(
       learner_lib.init_state(pol.init(jax.random.PRNGKey(0)), lrn.ppo_tx, jax.random.PRNGKey(0)))
   steps = ckpt.manager.all_steps()

@@ -124,7 +124,7 @@ def test_log_prob_is_the_steering_density(smoke_config, steer):
 def test_rl_trains_the_heads_alone_and_bc_the_network(smoke_config, steer):
   smoke_config.ppo.num_minibatches = 1
   env, pol, params = _steered(smoke_config, steer)
-  lrn = learner_lib.Learner(pol, smoke_config.bc, smoke_config.ppo)
+  lrn = learner_lib.Learner(pol, smoke_config)
   flat = oi.flatten(params)
   state = learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(0))
   moments = [x for x in jax.tree.leaves(state.opt_state) if np.ndim(x) > 0]

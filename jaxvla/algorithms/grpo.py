@@ -97,16 +97,16 @@ STREAMABLE_NORMALIZERS = ("trajectory", "constant")
 
 
 def check_normalizer(normalizer: str, streamed: bool) -> None:
-  """Raises ``ValueError`` naming ``config.ppo.loss_normalizer`` if it cannot be used.
+  """Raises ``ValueError`` naming ``config.grpo.loss_normalizer`` if it cannot be used.
 
   Args:
     normalizer: the configured name.
     streamed: the streamed learner will use it (micro-batches weighted alone).
   """
   if normalizer not in NORMALIZERS:
-    raise ValueError(f"config.ppo.loss_normalizer={normalizer!r} must be one of {NORMALIZERS}")
+    raise ValueError(f"config.grpo.loss_normalizer={normalizer!r} must be one of {NORMALIZERS}")
   if streamed and normalizer not in STREAMABLE_NORMALIZERS:
-    raise ValueError(f"config.ppo.loss_normalizer={normalizer!r} cannot be streamed (its "
+    raise ValueError(f"config.grpo.loss_normalizer={normalizer!r} cannot be streamed (its "
                      "weights need the whole update's chunk count); use one of "
                      f"{STREAMABLE_NORMALIZERS} with pipeline.streamer")
 
@@ -122,7 +122,7 @@ def streamed_weights(mask: jax.Array, normalizer: str, num_episodes_total: jax.A
   episodes are :func:`chunk_weights` of the whole (every episode has a chunk).
 
   Raises:
-    ValueError: naming ``config.ppo.loss_normalizer`` when it is not streamable
+    ValueError: naming ``config.grpo.loss_normalizer`` when it is not streamable
       ("chunks" needs the update's total chunk count, known only at its end).
   """
   check_normalizer(normalizer, streamed=True)

@@ -49,7 +49,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxvla import config_checks, distributed, plot_timeline, sharding as sharding_lib
+from jaxvla import config_checks, config_files, distributed, plot_timeline
+from jaxvla import sharding as sharding_lib
 from jaxvla.bench import envs as env_bench
 from jaxvla.bench import trace_summary
 from jaxvla.envs import make_vec_env
@@ -121,7 +122,7 @@ class Parts:
     self.mesh = mesh
 
   def learner(self, config) -> learner_lib.Learner:
-    return learner_lib.Learner(self.policy, config.bc, config.ppo, mesh=self.mesh,
+    return learner_lib.Learner(self.policy, config, mesh=self.mesh,
                                rules=config.mesh.rules)
 
   def state(self, learner: learner_lib.Learner):
@@ -329,4 +330,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

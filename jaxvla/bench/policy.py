@@ -215,7 +215,7 @@ def make_learner(policy) -> learner_lib.Learner:
   """``Learner`` with the default config's ``bc`` / ``ppo``, PPO at 1 epoch x 1 minibatch."""
   c = defaults.get_config()
   c.ppo.num_epochs, c.ppo.num_minibatches = 1, 1
-  return learner_lib.Learner(policy, c.bc, c.ppo)
+  return learner_lib.Learner(policy, c)
 
 
 def _abstract(tree):

@@ -26,6 +26,7 @@ import statistics
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxvla import config_files
 from jaxvla.bench import parity
 
 SYNC = parity.SYNC
@@ -145,4 +146,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  app.run(main, flags_parser=config_files.parse_flags)

@@ -210,8 +210,8 @@ class Learner:
 
   Args:
     policy: the policy contract.
-    bc_config: the ``bc`` sub-config; ppo_config: the ``ppo`` sub-config (its
-      ``algorithm`` picks the RL objective once, here).
+    config: the run config: ``bc`` (the warm start's optimizer), ``ppo`` (the RL
+      update) and ``algorithm`` / ``grpo`` (the RL objective, picked once, here).
     mesh: the learner mesh (``jaxvla.sharding.make_mesh``); None: one device.
     rules: ``config.mesh.rules`` (default :data:`jaxvla.sharding.DEFAULT_RULES`).
     behaviour_is_proximal: every RL batch was sampled with the params the update starts
@@ -219,13 +219,14 @@ class Learner:
       (``update.epochs_update``).
   """
 
-  def __init__(self, policy: contract.Policy, bc_config: ml_collections.ConfigDict,
-               ppo_config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None,
-               rules: sharding_lib.Rules | None = None, behaviour_is_proximal: bool = False):
+  def __init__(self, policy: contract.Policy, config: ml_collections.ConfigDict,
+               mesh: jax.sharding.Mesh | None = None, rules: sharding_lib.Rules | None = None,
+               behaviour_is_proximal: bool = False):
     self.policy = policy
-    self.ppo_config = ppo_config
+    self.algorithm, self.ppo_config = config.algorithm, config.ppo
+    ppo_config, bc_config = config.ppo, config.bc
     self.behaviour_is_proximal = behaviour_is_proximal
-    self.objective = objectives.make_objective(policy, ppo_config)
+    self.objective = objectives.make_objective(policy, config)
     self._abstract_params = policy.abstract_params()
     self.trainable = trainable_lib.Trainable.of(self._abstract_params)
     # What RL trains: the same, or the RL heads alone over a frozen flow (steered samplers).
@@ -356,7 +357,7 @@ class Learner:
   def _to_global(self, data, what: str):
     """This process's RL batch -> the global batch (checked against the batch shards)."""
     if not isinstance(data, self.objective.data_type):
-      raise TypeError(f"config.ppo.algorithm={self.ppo_config.algorithm!r} trains on "
+      raise TypeError(f"config.algorithm={self.algorithm!r} trains on "
                       f"{self.objective.data_type.__name__}, got {type(data).__name__}")
     self._check_batch(data.log_prob.shape[1], what,
                       "config.num_envs or config.pipeline.micro_batch_segments")

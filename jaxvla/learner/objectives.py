@@ -10,7 +10,7 @@ minibatches, KL early stop and the decoupled proximal step for either.
   weights ``1 / n`` (a mean); the clipped PPO loss with a value term; advantages
   normalised per minibatch (``ppo.advantage_norm``).
 * :class:`GRPOObjective`: an ``EpisodeBatch [K, E]`` -> ``E`` episode rows of
-  ``K`` padded chunks; per-chunk weights from ``ppo.loss_normalizer``
+  ``K`` padded chunks; per-chunk weights from ``grpo.loss_normalizer``
   (:func:`jaxvla.algorithms.grpo.chunk_weights`); the same loss without a value
   term (GRPO has no critic), advantages already normalised within each group.
 
@@ -209,20 +209,20 @@ class GRPOObjective:
 
   Args:
     policy: the policy contract.
-    cfg: the ``ppo`` sub-config (``loss_normalizer``, clip, correction, entropy).
-    streamed: the streamed learner will call it (the normaliser must allow it).
+    cfg: the ``ppo`` sub-config (clip, correction, entropy).
+    loss_normalizer: ``config.grpo.loss_normalizer``, the chunks' weights.
 
   Raises:
-    ValueError: naming ``config.ppo.loss_normalizer`` if it is unknown or cannot
-      be streamed.
+    ValueError: naming ``config.grpo.loss_normalizer`` if it is unknown (the streamed
+      learner checks that it can be streamed when it asks for streamed weights).
   """
 
   data_type = types.EpisodeBatch
 
   def __init__(self, policy: contract.Policy, cfg: ml_collections.ConfigDict,
-               streamed: bool = False):
-    grpo.check_normalizer(cfg.loss_normalizer, streamed)
-    self.policy, self.cfg = policy, cfg
+               loss_normalizer: str):
+    grpo.check_normalizer(loss_normalizer, streamed=False)
+    self.policy, self.cfg, self.loss_normalizer = policy, cfg, loss_normalizer
 
   def rows(self, eb: types.EpisodeBatch) -> dict:
     """``EpisodeBatch [K, E]`` -> episode-major rows ``[E, K, ...]`` and ``adv [E]``
@@ -251,10 +251,10 @@ class GRPOObjective:
     return rows
 
   def weights(self, rows: dict) -> jax.Array:
-    return grpo.chunk_weights(rows["mask"], self.cfg.loss_normalizer)
+    return grpo.chunk_weights(rows["mask"], self.loss_normalizer)
 
   def streamed_weights(self, rows: dict, total_rows: jax.Array) -> jax.Array:
-    return grpo.streamed_weights(rows["mask"], self.cfg.loss_normalizer, total_rows)
+    return grpo.streamed_weights(rows["mask"], self.loss_normalizer, total_rows)
 
   def loss(self, params: contract.Params, rows: dict, weights: jax.Array
            ) -> tuple[jax.Array, dict]:
@@ -283,11 +283,10 @@ class GRPOObjective:
                 episode_length_mean=jnp.mean(jnp.sum(eb.mask, axis=0).astype(jnp.float32)))
 
 
-def make_objective(policy: contract.Policy, cfg: ml_collections.ConfigDict,
-                   streamed: bool = False) -> Objective:
-  """The objective of ``cfg.algorithm`` (the ``ppo`` sub-config): 'ppo' or 'grpo'."""
-  if cfg.algorithm == "ppo":
-    return PPOObjective(policy, cfg)
-  if cfg.algorithm == "grpo":
-    return GRPOObjective(policy, cfg, streamed)
-  raise ValueError(f"config.ppo.algorithm={cfg.algorithm!r} must be 'ppo' or 'grpo'")
+def make_objective(policy: contract.Policy, config: ml_collections.ConfigDict) -> Objective:
+  """The objective of ``config.algorithm`` ('ppo' or 'grpo'), from the whole run config."""
+  if config.algorithm == "ppo":
+    return PPOObjective(policy, config.ppo)
+  if config.algorithm == "grpo":
+    return GRPOObjective(policy, config.ppo, config.grpo.loss_normalizer)
+  raise ValueError(f"config.algorithm={config.algorithm!r} must be 'ppo' or 'grpo'")

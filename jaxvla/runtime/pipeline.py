@@ -32,7 +32,7 @@ code in every mode.
 
 Units: a PPO *update* consumes ``num_envs`` env segments of ``rollout_len``
 chunks (what one lockstep rollout yields), as ``num_envs / micro_batch_segments``
-queue items. A GRPO update (``ppo.algorithm='grpo'``) consumes ``num_envs``
+queue items. A GRPO update (``algorithm='grpo'``) consumes ``num_envs``
 whole episodes, one queue item per group of ``env.group_size`` episodes that
 started from the same init (:mod:`jaxvla.rollout.episodes`). The policy
 version is the number of updates; every chunk carries the version that acted,
@@ -126,17 +126,17 @@ class Levels:
 
 def make_builder(config: ml_collections.ConfigDict, spec: protocol.EnvSpec
                  ) -> tuple[rollout_lib.Builder, int]:
-  """The rollout's builder for ``config.ppo.algorithm`` and the items one update takes.
+  """The rollout's builder for ``config.algorithm`` and the items one update takes.
 
   PPO: segments of ``rollout_len`` chunks, ``pipeline.micro_batch_segments`` per
   item. GRPO: one item per group of ``env.group_size`` whole episodes.
   """
-  if config.ppo.algorithm == "grpo":
+  if config.algorithm == "grpo":
     g = config.env.group_size
     max_chunks = episodes_lib.max_chunks_per_episode(spec.max_episode_steps,
                                                      config.model.chunk_len)
     return (episodes_lib.EpisodeBuilder(config.num_envs, g, max_chunks,
-                                        scale=config.ppo.grpo_scale), config.num_envs // g)
+                                        scale=config.grpo.scale), config.num_envs // g)
   m = config.pipeline.micro_batch_segments
   return (segments_lib.SegmentBuilder(config.num_envs, config.rollout_len, m),
           config.num_envs // m)
