@@ -20,15 +20,23 @@ needs and nothing else:
 On a single process every function is the identity (or a plain local
 computation), so single-host code paths do not change.
 
-Failure model: a process that dies makes the others block in their next
-collective until JAX's heartbeat timeout (``config.distributed.heartbeat_timeout_s``)
-aborts them; there is no in-job recovery across hosts (resume from the last
-checkpoint).
+Failure model: there is no in-job recovery across hosts; a run that loses a process
+ends and resumes from its last checkpoint. A process that dies makes the others' next
+collective fail (gloo or NCCL: the connection to it is reset), and JAX's coordination
+service aborts every survivor once the dead one has missed its heartbeats
+(``config.distributed.heartbeat_timeout_s``), with a C++ trace, after waiting for it
+in the shutdown barrier. :func:`lost_processes` recognises that failed collective
+and names the lost process (from :func:`initialize`'s table of every process's host
+and pid), so ``jaxvla.main`` can end at once in one line instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import re
+import socket
 import zlib
 from typing import Any
 
@@ -94,6 +102,7 @@ def initialize(d: ml_collections.ConfigDict) -> None:
     kwargs.update(coordinator_address=d.coordinator_address, num_processes=d.num_processes,
                   process_id=d.process_id)
   jax.distributed.initialize(**kwargs)
+  _register_processes()
   log.info("jax.distributed: process %d of %d, %d local / %d global devices",
            jax.process_index(), jax.process_count(), jax.local_device_count(),
            jax.device_count())
@@ -250,3 +259,97 @@ def barrier(name: str) -> None:
   """Every process waits here until all have arrived."""
   if multi_process():
     multihost_utils.sync_global_devices(name)
+
+
+# ------------------------------------------------------------ lost processes --
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+  """Where one process of the job runs (exchanged by :func:`initialize`)."""
+  host: str
+  ip: str
+  pid: int
+
+
+_PROCESSES: dict[int, ProcessInfo] = {}
+_HOST_BYTES = 64
+# What a collective raises when a peer process is gone: gloo (CPU) and NCCL (GPU) see the
+# connection to it reset or closed; the coordination service names a missed heartbeat.
+_PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|"
+                        r"Connection refused|Socket closed|NCCL error|unhandled system error|"
+                        r"heartbeat timeout|stopped sending heartbeats|"
+                        r"coordination service (?:has stopped|detected)", re.IGNORECASE)
+_IP = re.compile(r"\[?(\d{1,3}(?:\.\d{1,3}){3})\]?:\d+")
+
+
+def _register_processes() -> None:
+  """Every process's host, IP address and pid, on every process (a collective)."""
+  host = socket.gethostname()
+  try:
+    ip = socket.gethostbyname(host)
+  except OSError:
+    ip = ""
+  raw = np.zeros(_HOST_BYTES * 2 + 1, np.int32)
+  for k, text in enumerate((host, ip)):
+    b = text.encode()[:_HOST_BYTES]
+    raw[k * _HOST_BYTES:k * _HOST_BYTES + len(b)] = np.frombuffer(b, np.uint8)
+  raw[-1] = os.getpid()
+  table = np.asarray(multihost_utils.process_allgather(raw)).reshape(-1, raw.size)
+  text = lambda row: bytes(row[row > 0].astype(np.uint8)).decode(errors="replace")
+  _PROCESSES.clear()
+  for i, row in enumerate(table):
+    _PROCESSES[i] = ProcessInfo(host=text(row[:_HOST_BYTES]),
+                                ip=text(row[_HOST_BYTES:2 * _HOST_BYTES]), pid=int(row[-1]))
+
+
+def _messages(error: BaseException) -> str:
+  """``error``'s message and those of its causes and contexts."""
+  seen, parts = set(), []
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    parts.append(str(error))
+    error = error.__cause__ or error.__context__
+  return "\n".join(parts)
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def lost_processes(error: BaseException) -> list[int] | None:
+  """The processes whose loss made ``error`` (a failed collective), or None if it is not
+  that (or this is a one-process run).
+
+  A process on this host counts as lost when its pid is gone; one on another host when
+  the error names its address. When neither narrows it down, every other process is a
+  candidate.
+  """
+  if not multi_process() or not _PEER_LOST.search(_messages(error)):
+    return None
+  me = jax.process_index()
+  others = [i for i in range(jax.process_count()) if i != me]
+  if not _PROCESSES:
+    return others
+  here = _PROCESSES[me].host
+  dead = [i for i in others
+          if _PROCESSES[i].host == here and not _pid_alive(_PROCESSES[i].pid)]
+  if dead:
+    return dead
+  addresses = set(_IP.findall(_messages(error))) - {"127.0.0.1"}
+  named = [i for i in others if _PROCESSES[i].host != here and _PROCESSES[i].ip in addresses]
+  return named or others
+
+
+def describe_processes(ids: list[int]) -> str:
+  """``'process 1 (host h, pid 123)'``, or ``'one of processes 1, 2 (...)'``."""
+  def one(i):
+    info = _PROCESSES.get(i)
+    return f"{i} (host {info.host}, pid {info.pid})" if info else str(i)
+  if len(ids) == 1:
+    return f"process {one(ids[0])}"
+  return "one of processes " + ", ".join(one(i) for i in ids)

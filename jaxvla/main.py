@@ -9,6 +9,8 @@ line on stdout is the run's summary as one JSON object.
 
 import json
 import logging
+import os
+import shlex
 import sys
 
 from absl import app, flags
@@ -53,8 +55,33 @@ def main(argv):
   except one_line_errors as e:
     sys.stderr.write(f"error: {e}\n")
     sys.exit(1)
+  except Exception as e:  # pylint: disable=broad-except
+    lost = distributed.lost_processes(e)
+    if lost is None:
+      raise
+    _exit_lost(lost, workdir, checkpoint)
   sys.stdout.write(json.dumps(summary) + "\n")
   sys.stdout.flush()
+
+
+def _exit_lost(lost: list[int], workdir: str, checkpoint) -> None:
+  """Ends a multi-process run that lost a process: one line naming it, the last finished
+  checkpoint and the resume command, then exit status 1 at once. A normal exit would
+  wait for the lost process in JAX's shutdown barrier until the heartbeat timeout and
+  then abort with a C++ trace."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxvla import distributed  # pylint: disable=import-outside-toplevel
+  saved = checkpoint.saved_steps(os.path.join(workdir, "checkpoints"))
+  resume = [a for a in sys.argv[1:] if not a.startswith("--config.resume")]
+  command = shlex.join(["python", "-m", "jaxvla.main", *resume, "--config.resume=True"])
+  where = (f"the last finished checkpoint is {saved[-1]} in {workdir}/checkpoints"
+           if saved else f"{workdir} holds no finished checkpoint")
+  sys.stderr.write(f"error: {distributed.describe_processes(lost)} was lost; the run stops "
+                   f"(this is process {jax.process_index()}); {where}; to resume, "
+                   f"start every process again with: {command}\n")
+  sys.stderr.flush()
+  sys.stdout.flush()
+  os._exit(1)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ a TPU pod. Checked:
   second submission to the same workdir resumes the checkpoint on both (the script
   adds ``--config.resume=True`` itself). The other runs join through an explicit
   coordinator;
+* a process lost mid-run (SIGKILL) ends the other at once, in one line that names it,
+  the last checkpoint and the resume command, and that command resumes the run;
 * ``config.distributed`` errors name the key.
 """
 
@@ -257,6 +259,21 @@ def test_two_process_streamed_grpo_run(tmp_path):
   _check_grpo_records(workdir, a["iterations"])
 
 
+def _wait_for_updates(procs: list[_Process], workdir: str, n: int) -> list[dict]:
+  """Waits until process 0 has written ``n`` RL updates' records; returns them."""
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + 600
+  while time.monotonic() < deadline:
+    assert all(p.popen.poll() is None for p in procs), "a process ended too early"
+    if os.path.exists(metrics):
+      with open(metrics, encoding="utf-8") as f:
+        train = [json.loads(line) for line in f if '"phase": "train"' in line]
+      if len(train) >= n:
+        return train
+    time.sleep(0.5)
+  pytest.fail(f"no {n} RL updates within 600 s")
+
+
 @pytest.mark.multihost
 def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
   """SIGINT to process 1 only: both stop after the same update and save it. The run is
@@ -268,18 +285,8 @@ def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
                                "--config.checkpoint.every_iters=1000", *_GRPO,
                                "--config.pipeline.streamer=False", _NO_WARM_START))
            for i in range(2)]
-  metrics = os.path.join(workdir, "metrics.jsonl")
   try:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:  # Wait for the second RL update (process 0 writes).
-      assert all(p.popen.poll() is None for p in procs), "a process ended before the interrupt"
-      if os.path.exists(metrics):
-        with open(metrics, encoding="utf-8") as f:
-          if sum('"phase": "train"' in line for line in f) >= 2:
-            break
-      time.sleep(0.5)
-    else:
-      pytest.fail("no RL update within 600 s")
+    _wait_for_updates(procs, workdir, 2)
     procs[1].popen.send_signal(signal.SIGINT)
     results = [p.communicate(timeout=300) for p in procs]
   finally:
@@ -295,6 +302,56 @@ def test_ctrl_c_on_one_process_stops_both_after_the_same_update(tmp_path):
   assert a["env_steps"] == b["env_steps"] < 1_000_000
   assert checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), 2).latest_step() \
       == a["iterations"]
+
+
+@pytest.mark.multihost
+def test_a_lost_process_ends_the_other_in_one_line_and_the_same_command_resumes(tmp_path):
+  """SIGKILL to process 1 once training runs. Process 0 must stop within seconds (not
+  wait out the 100 s heartbeat timeout and abort with a C++ trace, as JAX alone does),
+  with exit status 1 and one line that names process 1, the last finished checkpoint
+  and the command that resumes the run; that command (with a budget the test can
+  reach) continues from the checkpoint on both processes, every env step accounted."""
+  workdir = str(tmp_path / "run")
+  port = _free_port()
+  long_run = ("--config.total_env_steps=1000000", "--config.eval.every_iters=1000",
+              "--config.checkpoint.every_iters=2", _NO_WARM_START)
+  procs = [_Process(_main_argv(workdir, port, i, *long_run)) for i in range(2)]
+  try:
+    train = _wait_for_updates(procs, workdir, 3)
+    procs[1].popen.kill()
+    killed = time.monotonic()
+    _, stderr = procs[0].communicate(timeout=90)
+    stopped_s = time.monotonic() - killed
+  finally:
+    for p in procs:
+      p.stop()
+  assert procs[0].popen.returncode == 1, stderr[-4000:]
+  assert stopped_s < 20, stopped_s  # (measured: 0.9 s)
+  assert "Fatal Python error" not in stderr and "Check failure" not in stderr, stderr[-4000:]
+  line = stderr.strip().splitlines()[-1]
+  assert line.startswith("error: process 1 (host ") and " was lost; " in line, line
+  saved = checkpoint_lib.saved_steps(os.path.join(workdir, "checkpoints"))
+  assert saved and saved[-1] >= 2
+  assert f"the last finished checkpoint is {saved[-1]} in {workdir}/checkpoints" in line
+  command = line.split("start every process again with: ", 1)[1].split()
+  assert command[:3] == ["python", "-m", "jaxvla.main"] and command[-1] == "--config.resume=True"
+  assert command[3:-1] == _main_argv(workdir, port, 0, *long_run)[3:]
+
+  # The same command on both processes (a fresh port, each its process id), with a
+  # budget just past what the run had reached.
+  port = _free_port()
+  budget = max(r["env_steps"] for r in train) + 1
+  def resume_argv(i):
+    args = [f"--config.distributed.coordinator_address=localhost:{port}"
+            if a.startswith("--config.distributed.coordinator_address=")
+            else f"--config.distributed.process_id={i}"
+            if a.startswith("--config.distributed.process_id=") else a for a in command[3:]]
+    return [sys.executable, "-m", "jaxvla.main", *args, f"--config.total_env_steps={budget}"]
+  a, b = [json.loads(r.stdout.strip().splitlines()[-1])
+          for r in _run_processes(resume_argv, 2, timeout=600)]
+  assert a["policy_version"] == b["policy_version"] > saved[-1]
+  assert a["env_steps"] == b["env_steps"] >= budget
+  assert a["discarded_on_resume"] is not None and a["env_steps_unaccounted"] == 0
 
 
 @pytest.mark.multihost
