@@ -47,13 +47,15 @@ export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$ROOT/.cache/jax}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 
-# The fast and multi-host steps check programs against each other within one run, never
-# their speed: XLA's backend optimisations only add compile time there (a third of the
-# step), and so do XLA:CPU's MLIR fusion emitters (the tiny pi0's BC gradient compiled in
-# 4.3 s with them, 1.5 s with the classic ones). The slow step keeps the defaults
-# (its runs execute for minutes).
+# The fast, multi-host and simulator steps check programs against each other within one
+# run, never their speed: XLA's backend optimisations only add compile time there (a
+# third of the fast step), and so do XLA:CPU's MLIR fusion emitters (the tiny pi0's BC
+# gradient compiled in 4.3 s with them, 1.5 s with the classic ones; the LIBERO training
+# loop took 76 s instead of 98). The slow step keeps the defaults (its learning runs
+# execute for minutes).
 fast_xla_flags="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-# A slow-step test whose subprocess runs are short (the fault-injection run) uses them too.
+# The slow step's tests whose runs are short (fault injection, the installed package, the
+# notebook) use them too (tests/conftest.py: fast_xla_env).
 export JAXVLA_TEST_FAST_XLA_FLAGS=$fast_xla_flags
 # pytest-xdist processes: one per core up to 4 (JAXVLA_TEST_WORKERS overrides; 0: in-process).
 # The slow and sim steps are CPU-bound too (their runs use about 1.4 cores each): two at
@@ -89,7 +91,8 @@ if [[ $only == all || $only == slow ]]; then
   run_step slow -m slow -n "$workers" --dist worksteal "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == sim ]]; then
-  run_step sim -m sim -o testpaths=tests/sim -n "$workers" --dist worksteal "${pytest_args[@]}"
+  XLA_FLAGS=$fast_xla_flags run_step sim -m sim -o testpaths=tests/sim -n "$workers" \
+    --dist worksteal "${pytest_args[@]}"
 fi
 
 if ((${#failed[@]})); then

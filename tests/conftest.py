@@ -56,6 +56,15 @@ def _dealt(items: list, workers: int) -> list:
   return [item for share in shares for item in share]
 
 
+def fast_xla_env(env: dict[str, str]) -> dict[str, str]:
+  """``env`` with launch/test.sh's compile-time XLA flags (``JAXVLA_TEST_FAST_XLA_FLAGS``,
+  when test.sh set them): for the slow step's short subprocess runs, whose speed is not
+  checked (the slow step itself keeps XLA's defaults, for the learning runs)."""
+  if "JAXVLA_TEST_FAST_XLA_FLAGS" in env:
+    return dict(env, XLA_FLAGS=env["JAXVLA_TEST_FAST_XLA_FLAGS"])
+  return dict(env)
+
+
 @pytest.fixture
 def smoke_config():
   c = default.get_config("smoke")

@@ -23,6 +23,7 @@ from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.runtime import ledger as ledger_lib, queue as queue_lib
+from tests import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,11 +120,7 @@ def _start(workdir: str, log_path, total_env_steps: int, resume: bool) -> subpro
          *(f"--config.{k}={v}" for k, v in _FLAGS.items())]
   if resume:
     cmd.append("--config.resume=True")
-  # The runs are short and their speed is not checked: launch/test.sh's compile-time XLA
-  # flags (the slow step itself keeps XLA's defaults, for the learning runs).
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  if "JAXVLA_TEST_FAST_XLA_FLAGS" in env:
-    env["XLA_FLAGS"] = env["JAXVLA_TEST_FAST_XLA_FLAGS"]
+  env = conftest.fast_xla_env(dict(os.environ, JAX_PLATFORMS="cpu"))  # (short runs)
   # stderr to a file: a pipe nobody reads while waiting would block a chatty run.
   with open(log_path, "wb") as log_file:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, env=env)

@@ -9,6 +9,8 @@ import textwrap
 import openpi_client.websocket_client_policy as openpi_client
 import pytest
 
+from tests import conftest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A user's own config: the package's defaults, shrunk to a minute on a CPU.
@@ -40,7 +42,7 @@ def test_installed_jaxvla_trains_evaluates_and_serves_outside_the_checkout(tmp_p
   # path so that it, not the checkout's editable install, is what runs.
   _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
         "--target", str(site), ROOT], dict(os.environ), str(tmp_path))
-  env = dict(os.environ, PYTHONPATH=str(site))
+  env = conftest.fast_xla_env(dict(os.environ, PYTHONPATH=str(site)))  # (short runs)
   where = _run([sys.executable, "-c", "import jaxvla; print(jaxvla.__file__)"], env,
                str(elsewhere)).stdout.strip()
   assert where.startswith(str(site)), where

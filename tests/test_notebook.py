@@ -15,6 +15,8 @@ import nbclient  # (the `test` extra in setup.py: a missing one fails, never ski
 import nbformat
 import pytest
 
+from tests import conftest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
 
@@ -36,6 +38,8 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   # The kernel inherits this environment: its tempfile.mkdtemp() workdir lands here.
   monkeypatch.setenv("TMPDIR", str(tmp_path))
+  for key, value in conftest.fast_xla_env(dict(os.environ)).items():  # (a short run)
+    monkeypatch.setenv(key, value)
   nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                           resources={"metadata": {"path": str(tmp_path)}}).execute()
   text = _text(nb)
