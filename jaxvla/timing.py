@@ -14,7 +14,9 @@ Besides the stages, the clock holds free-form *counters* (:meth:`StageClock.coun
 components keep no timing dicts of their own.
 
 :class:`Histogram` counts small non-negative integers (policy-version staleness
-of the chunks the learner trains on).
+of the chunks the learner trains on). :class:`Marks` samples a cumulative busy counter
+(the env workers' stepping seconds) at marks on the timeline, for busy fractions over
+windows between marks.
 
 Every :meth:`StageClock.busy` and :meth:`StageClock.timed` block is also a ``jax.profiler.TraceAnnotation``
 named :data:`TRACE_PREFIX` + the stage or counter, so a profiler trace shows the stages beside
@@ -460,3 +462,36 @@ class Histogram:
     if top >= _HIST_CAP:
       out[f"{prefix}_ge{_HIST_CAP}"] = sum(c for v, c in counts.items() if v >= _HIST_CAP) / total
     return out
+
+
+class Marks:
+  """A cumulative busy counter (e.g. the env workers' summed stepping seconds) sampled
+  at marks on a clock (e.g. after each update), so its busy fraction can be read over
+  any window between two marks.
+
+  Args:
+    capacity: how many things the counter sums (the busy fraction of ``capacity``
+      workers is busy seconds / (capacity x span)).
+  """
+
+  def __init__(self, capacity: int):
+    self.capacity = capacity
+    self._times, self._busy = [0.0], [0.0]
+
+  def add(self, time: float, busy: float) -> None:
+    """The counter read ``busy`` at clock ``time`` (marks come in time order)."""
+    self._times.append(time)
+    self._busy.append(busy)
+
+  def fraction(self, since: float, until: float | None, now: tuple[float, float]) -> float:
+    """The busy fraction from the last mark at or before ``since`` to the last at or
+    before ``until`` (None: to ``now``, the clock time and counter read at the call)."""
+    start = max(bisect.bisect_right(self._times, since) - 1, 0)
+    t0, b0 = self._times[start], self._busy[start]
+    if until is None:
+      t1, b1 = now
+    else:
+      end = max(bisect.bisect_right(self._times, until) - 1, start)
+      t1, b1 = self._times[end], self._busy[end]
+    span = t1 - t0
+    return (b1 - b0) / (self.capacity * span) if span > 0 else 0.0

@@ -270,6 +270,18 @@ def test_histogram_threads():
   assert h.counts() == {1: 2000, 2: 2000}
 
 
+def test_marks_give_busy_fractions_between_marks():
+  """Two workers' summed busy seconds, marked after each update."""
+  marks = timing.Marks(capacity=2)
+  marks.add(10.0, 4.0)  # (update 1: 4 worker-seconds in the first 10 s)
+  marks.add(20.0, 19.0)  # (update 2: 15 more in the next 10)
+  assert marks.fraction(0.0, 10.0, now=(30.0, 30.0)) == pytest.approx(4.0 / 20)
+  assert marks.fraction(10.0, 20.0, now=(30.0, 30.0)) == pytest.approx(15.0 / 20)
+  # Since a time between marks: from the mark before it; no end: to the reading now.
+  assert marks.fraction(15.0, None, now=(30.0, 29.0)) == pytest.approx((29 - 4) / 40)
+  assert marks.fraction(12.0, 15.0, now=(30.0, 29.0)) == 0.0  # (one mark: no span)
+
+
 def test_json_round_trip(tmp_path):
   clock, fake = _started(t=10.0)
   clock.add("env", 11.0, 12.5)

@@ -215,13 +215,17 @@ def check(out: str, *, dry_run: bool, steps: list[str], profile_dir: str,
       report.setdefault("device", device)
     report["summary"] = summarize(report["steps"])
     print(f"[gpu_check] {name}: rc {result['rc']} in {result['wall_s']} s", flush=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=1)
-    os.replace(path + ".tmp", path)
+    _write_json(path, report)
   report["ok"] = all(r["rc"] == 0 for r in report["steps"].values())
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=1)
+  _write_json(path, report)
   return report
+
+
+def _write_json(path: str, report: dict) -> None:
+  """Replaces ``path`` at once: a window cut short leaves the last whole report."""
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1)
+  os.replace(path + ".tmp", path)
 
 
 def _device_of(result) -> str | None:

@@ -64,7 +64,6 @@ the end of the current update) are decided alike everywhere.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import logging
@@ -293,8 +292,9 @@ class Pipeline:
     # This process's counts already entered in the ledger.
     self._seen = dict(produced=types.Counts(), dropped=types.Counts())
     self._taken: list[types.Item] = []  # Items of the update in progress (not yet trained).
-    # Per update, in time order: clock seconds and the pool's worker-busy seconds then.
-    self._mark_times, self._mark_busy = [0.0], [0.0]
+    # The pool's worker-busy seconds at each update (for windowed fractions).
+    self._workers = (timing.Marks(env.num_workers)
+                     if isinstance(env, protocol.AsyncVecEnv) else None)
     self._window_start = 0.0  # Clock time of the last window_metrics() call.
 
   # ------------------------------------------------------------------ params --
@@ -474,9 +474,8 @@ class Pipeline:
 
   def _mark_workers(self) -> None:
     """Notes the env pool's worker-busy seconds at this update (for windowed fractions)."""
-    if isinstance(self.env, protocol.AsyncVecEnv):
-      self._mark_times.append(self.clock.elapsed())
-      self._mark_busy.append(self.env.stats.worker_busy_s)
+    if self._workers is not None:
+      self._workers.add(self.clock.elapsed(), self.env.stats.worker_busy_s)
 
   def workers_busy(self, since: float = 0.0, until: float | None = None) -> float | None:
     """Fraction of the env workers' time spent stepping from the last update at or
@@ -486,17 +485,10 @@ class Pipeline:
     The ``env`` stage's busy fraction says when *some* env was stepping; this says
     how much of the workers' capacity was used (first-ready batching keeps it high).
     """
-    if not isinstance(self.env, protocol.AsyncVecEnv):
+    if self._workers is None:
       return None
-    mark = max(bisect.bisect_right(self._mark_times, since) - 1, 0)
-    t0, b0 = self._mark_times[mark], self._mark_busy[mark]
-    if until is None:
-      t1, b1 = self.clock.elapsed(), self.env.stats.worker_busy_s
-    else:
-      end = max(bisect.bisect_right(self._mark_times, until) - 1, mark)
-      t1, b1 = self._mark_times[end], self._mark_busy[end]
-    span, busy = t1 - t0, b1 - b0
-    return busy / (self.env.num_workers * span) if span > 0 else 0.0
+    return self._workers.fraction(since, until,
+                                  now=(self.clock.elapsed(), self.env.stats.worker_busy_s))
 
   def metrics(self, since: float | None = None) -> dict[str, float]:
     """Everything the pipeline measures, in one record.
