@@ -422,8 +422,8 @@ def main(argv: list[str]) -> None:
   def body(args):
     if len(args) > 1:
       raise app.UsageError(f"unexpected arguments: {args[1:]}")
-    from jaxvla import runtime_env  # pylint: disable=import-outside-toplevel
-    runtime_env.ensure()
+    from jaxvla import simulator_env  # pylint: disable=import-outside-toplevel
+    simulator_env.ensure()
     try:
       where = policy_flags.load_kwargs()
       results = run(where["path"], out.value, config=config_flag.value, suite=suite.value,

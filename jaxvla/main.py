@@ -19,8 +19,8 @@ from ml_collections import config_flags
 
 # Only light modules here: flags and configs are parsed (and a typo reported) before the
 # training stack (flax, orbax, the data and env libraries: seconds) is imported, and a
-# direct start re-executes under launch/env.sh (runtime_env.ensure) before it is, too.
-from jaxvla import config_files, runtime_env, workdir as workdir_lib
+# direct start re-executes under launch/env.sh (simulator_env.ensure) before it is, too.
+from jaxvla import config_files, simulator_env, workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Config file (optionally ':variant').", lock_config=True)
@@ -33,7 +33,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   # Started without launch/run.sh: the simulators' environment (launch/env.sh) is applied
   # by re-executing this command with it, before any simulator or backend loads.
-  runtime_env.ensure()
+  simulator_env.ensure()
   from jaxvla import checkpoint, distributed, train  # pylint: disable=import-outside-toplevel
   # Errors whose message says all a user needs (the step, file or holder): one line on
   # stderr and exit status 1, without a traceback.

@@ -69,8 +69,8 @@ def main(argv: list[str]) -> None:
   def body(args):
     if len(args) > 1:
       raise app.UsageError(f"unexpected arguments: {args[1:]}")
-    from jaxvla import runtime_env  # pylint: disable=import-outside-toplevel
-    runtime_env.ensure()  # (thread counts and the backends' settings of launch/env.sh)
+    from jaxvla import simulator_env  # pylint: disable=import-outside-toplevel
+    simulator_env.ensure()  # (thread counts and the backends' settings of launch/env.sh)
     logging.getLogger("jaxvla").setLevel(logging.INFO)
     try:
       config = serve_config(serve_flag.value, obs_map=obs_map.value, port=port.value,

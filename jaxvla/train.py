@@ -43,7 +43,7 @@ from jaxvla import workdir as workdir_lib
 from jaxvla.data import collect as collect_lib
 from jaxvla.data import config as data_config
 from jaxvla.data import norm_stats as norm_lib
-from jaxvla.data import pipeline as data_pipeline
+from jaxvla.data import loader as data_loader
 from jaxvla.envs import make_vec_env, normalized, protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract, openpi_import, policy as policy_lib
@@ -228,7 +228,7 @@ def demonstrations(config, workdir: str, spec: protocol.EnvSpec
 def _check_dataset_fits(reader, d: ml_collections.ConfigDict, spec: protocol.EnvSpec) -> None:
   """The dataset's cameras, state and actions must be what the policy (built for the
   env) takes; raises ValueError naming the ``config.data`` key to change."""
-  got = data_pipeline.dataset_spec(reader, d)
+  got = data_loader.dataset_spec(reader, d)
   if len(got.camera_names) != len(spec.camera_names):
     raise ValueError(f"config.data.cameras: the dataset gives {len(got.camera_names)} cameras "
                      f"{list(got.camera_names)}, the env's policy takes {len(spec.camera_names)} "
@@ -250,15 +250,15 @@ def warm_start(config, s: Setup, params, rng
   ``config.data.norm_stats`` or the dataset) and figures. Multi-process: each process
   reads its shard of the steps and feeds its share of every batch."""
   if config.bc.num_steps == 0:
-    return params, data_pipeline.normalizer_from_config(config.data), {}
+    return params, data_loader.normalizer_from_config(config.data), {}
   d, figures = demonstrations(config, s.workdir, s.spec)
   hosts = jax.process_count()
-  ds, reader = data_pipeline.from_config(d, chunk_len=config.model.chunk_len,
+  ds, reader = data_loader.from_config(d, chunk_len=config.model.chunk_len,
                                          batch_size=config.bc.batch_size // hosts,
                                          seed=config.seed + 3)
   _check_dataset_fits(reader, d, s.spec)
-  normalizer = data_pipeline.normalizer_from_config(d, reader)
-  batches = data_pipeline.bc_batches(iter(ds), s.policy.prepare, normalizer)
+  normalizer = data_loader.normalizer_from_config(d, reader)
+  batches = data_loader.bc_batches(iter(ds), s.policy.prepare, normalizer)
   state = s.learner.shard_state(learner_lib.init_state(params, s.learner.bc_tx, rng))
   guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "BC step")
   losses, pending = [], []

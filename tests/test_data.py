@@ -27,7 +27,7 @@ import tensorflow_datasets as tfds
 from configs import default
 from jaxvla import config_checks
 from jaxvla.data import config as data_config
-from jaxvla.data import lerobot, norm_stats, pipeline, readers, rlds
+from jaxvla.data import lerobot, loader, norm_stats, readers, rlds
 from jaxvla.data.episodes import DataError
 from jaxvla.envs import normalized, protocol
 from jaxvla.models import policy as policy_lib
@@ -284,7 +284,7 @@ def _configs(datasets: dict[str, str]) -> dict:
                                             ("v21_inline", 0.0), ("v3", VIDEO_TOL)])
 def test_round_trip(datasets, name, tolerance):
   d = _configs(datasets)[name]
-  reader = pipeline.open_reader(d)
+  reader = loader.open_reader(d)
   table = reader.table
   np.testing.assert_array_equal(table.lengths, LENGTHS)
   np.testing.assert_array_equal(table.state, _all("state"))
@@ -296,7 +296,7 @@ def test_round_trip(datasets, name, tolerance):
       for c, image in enumerate(reader.images(e, step)):
         err = np.abs(image.astype(float) - ep["images"][c][step]).mean()
         assert err <= tolerance, (name, e, step, c, err)
-  spec = pipeline.dataset_spec(reader, d)
+  spec = loader.dataset_spec(reader, d)
   assert spec.camera_names == ("agentview", "robot0_eye_in_hand")
   assert (spec.image_shape, spec.state_dim, spec.action_dim) == ((SIZE, SIZE, 3), STATE, ACTION)
   assert spec.max_episode_steps == max(LENGTHS)
@@ -309,7 +309,7 @@ def test_formats_are_detected(datasets):
 
 
 def test_samples_have_action_windows_masked_at_episode_ends(datasets):
-  source = pipeline.StepSource(pipeline.open_reader(_configs(datasets)["v21_inline"]), horizon=5)
+  source = loader.StepSource(loader.open_reader(_configs(datasets)["v21_inline"]), horizon=5)
   last = LENGTHS[0] - 1
   for step, valid in ((0, 5), (last - 4, 5), (last - 2, 3), (last, 1)):
     s = source[step]  # episode 0
@@ -326,11 +326,11 @@ def test_samples_have_action_windows_masked_at_episode_ends(datasets):
 def test_images_resized_with_padding(datasets):
   d = _configs(datasets)["v21_inline"]
   d.image_size = 8
-  batch = next(iter(pipeline.make_dataset(pipeline.open_reader(d), horizon=2, batch_size=3,
+  batch = next(iter(loader.make_dataset(loader.open_reader(d), horizon=2, batch_size=3,
                                           seed=0, image_size=8, shard_index=0, shard_count=1)))
   assert batch["images"].shape == (3, 2, 8, 8, 3) and batch["images"].dtype == np.uint8
   wide = np.zeros((4, 8, 3), np.uint8) + 200
-  out = pipeline.episodes_lib.resize_with_pad(wide, 8)  # aspect kept: rows 2..5, zero bands
+  out = loader.episodes_lib.resize_with_pad(wide, 8)  # aspect kept: rows 2..5, zero bands
   assert out.shape == (8, 8, 3) and out[:2].max() == 0 and out[6:].max() == 0
   assert out[2:6].min() == 200
 
@@ -343,9 +343,9 @@ def test_absent_camera_is_a_masked_zero_image(datasets):
     d.cameras = ml_collections.ConfigDict({"agentview": OPENPI_KEYS["cameras"][0], "right_wrist": "",
                                            "robot0_eye_in_hand": OPENPI_KEYS["cameras"][1]})
   data_config.validate(d)
-  ds, reader = pipeline.from_config(d, chunk_len=2, batch_size=3, seed=0, shard_index=0,
+  ds, reader = loader.from_config(d, chunk_len=2, batch_size=3, seed=0, shard_index=0,
                                     shard_count=1)
-  spec = pipeline.dataset_spec(reader, d)
+  spec = loader.dataset_spec(reader, d)
   assert spec.camera_names == ("agentview", "right_wrist", "robot0_eye_in_hand")
   raw = next(iter(ds))
   assert raw["images"].shape == (3, 3, SIZE, SIZE, 3)
@@ -356,7 +356,7 @@ def test_absent_camera_is_a_masked_zero_image(datasets):
       np.testing.assert_array_equal(raw["images"][row, place], EPISODES[e]["images"][c][t])
   c = default.get_config()
   policy = policy_lib.make_policy(c.model, spec)
-  batch, _, _ = next(pipeline.bc_batches([raw], policy.prepare))
+  batch, _, _ = next(loader.bc_batches([raw], policy.prepare))
   np.testing.assert_array_equal(batch["image_mask"], raw["image_mask"])
   d.cameras.agentview = d.cameras.robot0_eye_in_hand = ""
   with pytest.raises(ValueError, match="config.data.cameras: every camera is ''"):
@@ -369,8 +369,8 @@ def _keys(batches) -> list[tuple[int, int]]:
 
 
 def test_two_process_shards_are_disjoint_and_complete(datasets):
-  reader = pipeline.open_reader(_configs(datasets)["rlds"])
-  shards = [_keys(pipeline.make_dataset(reader, horizon=3, batch_size=4, seed=1, shard_index=i,
+  reader = loader.open_reader(_configs(datasets)["rlds"])
+  shards = [_keys(loader.make_dataset(reader, horizon=3, batch_size=4, seed=1, shard_index=i,
                                         shard_count=2, num_epochs=1, drop_remainder=False))
             for i in range(2)]
   assert not set(shards[0]) & set(shards[1])
@@ -378,13 +378,13 @@ def test_two_process_shards_are_disjoint_and_complete(datasets):
   assert set(shards[0]) | set(shards[1]) == everything
   assert len(shards[0]) + len(shards[1]) == sum(LENGTHS)
   # The shuffle is seeded and redrawn each epoch.
-  again = _keys(pipeline.make_dataset(reader, horizon=3, batch_size=4, seed=1, shard_index=0,
+  again = _keys(loader.make_dataset(reader, horizon=3, batch_size=4, seed=1, shard_index=0,
                                       shard_count=2, num_epochs=2, drop_remainder=False))
   assert again[:len(shards[0])] == shards[0] and again[len(shards[0]):] != shards[0]
 
 
 def test_resume_from_grain_state(datasets):
-  ds = pipeline.make_dataset(pipeline.open_reader(_configs(datasets)["v3"]), horizon=4,
+  ds = loader.make_dataset(loader.open_reader(_configs(datasets)["v3"]), horizon=4,
                              batch_size=3, seed=7, shard_index=0, shard_count=1)
   it = iter(ds)
   for _ in range(4):  # past the first epoch (28 steps / 3)
@@ -400,10 +400,10 @@ def test_resume_from_grain_state(datasets):
 
 
 def test_worker_processes_give_the_same_batches(datasets):
-  reader = pipeline.open_reader(_configs(datasets)["rlds"])
+  reader = loader.open_reader(_configs(datasets)["rlds"])
   kwargs = dict(horizon=2, batch_size=4, seed=3, shard_index=0, shard_count=1, num_epochs=1)
-  in_process = _keys(pipeline.make_dataset(reader, **kwargs))
-  it = iter(pipeline.make_dataset(reader, num_workers=2, **kwargs))
+  in_process = _keys(loader.make_dataset(reader, **kwargs))
+  it = iter(loader.make_dataset(reader, num_workers=2, **kwargs))
   try:
     assert _keys(it) == in_process
   finally:
@@ -413,12 +413,12 @@ def test_worker_processes_give_the_same_batches(datasets):
 def test_bc_batches_fit_the_policy(datasets):
   """``(batch, actions, mask)`` is what ``policy.bc_loss`` (inside ``Learner.bc_step``) takes."""
   d = _configs(datasets)["v21"]
-  reader = pipeline.open_reader(d)
+  reader = loader.open_reader(d)
   c = default.get_config()
-  policy = policy_lib.make_policy(c.model, pipeline.dataset_spec(reader, d))
-  batches = pipeline.make_dataset(reader, horizon=c.model.chunk_len, batch_size=4, seed=0,
+  policy = policy_lib.make_policy(c.model, loader.dataset_spec(reader, d))
+  batches = loader.make_dataset(reader, horizon=c.model.chunk_len, batch_size=4, seed=0,
                                   shard_index=0, shard_count=1)
-  batch, actions, mask = next(pipeline.bc_batches(batches, policy.prepare))
+  batch, actions, mask = next(loader.bc_batches(batches, policy.prepare))
   assert set(batch) == {"images", "image_mask", "state", "tokens", "token_mask"}
   assert batch["image_mask"].shape == (4, 2) and batch["image_mask"].all()
   assert batch["images"].shape == (4, 2, SIZE, SIZE, 3)
@@ -430,7 +430,7 @@ def test_bc_batches_fit_the_policy(datasets):
 
 # ----------------------------------------------------------------- statistics --
 def test_norm_stats_against_numpy(datasets, tmp_path):
-  stats = norm_stats.compute(pipeline.open_reader(_configs(datasets)["v3"]).table)
+  stats = norm_stats.compute(loader.open_reader(_configs(datasets)["v3"]).table)
   for name, values in (("state", _all("state")), ("actions", _all("actions"))):
     v = values.astype(np.float64)
     np.testing.assert_allclose(stats[name].mean, v.mean(0), rtol=1e-6)
@@ -473,7 +473,7 @@ def test_norm_stats_reads_openpi_files_without_quantiles(tmp_path):
 # ---------------------------------------------------------------- bad datasets --
 def _expect(match: str, d) -> None:
   with pytest.raises(DataError, match=match) as info:
-    pipeline.open_reader(d)
+    loader.open_reader(d)
   assert len(str(info.value)) < 400  # one line a user reads, not a dump
 
 
@@ -536,7 +536,7 @@ def test_unreadable_files_are_named(tmp_path):
                        "episode_000002.mp4")
   with open(video, "wb") as f:
     f.write(b"\0" * 100)
-  reader = pipeline.open_reader(lerobot_config(root))
+  reader = loader.open_reader(lerobot_config(root))
   with pytest.raises(DataError, match="episode_000002.mp4: unreadable video"):
     reader.images(2, 0)
 
@@ -561,7 +561,7 @@ def test_a_failed_write_leaves_no_dataset(tmp_path):
     rlds.write_dataset(out, _openvla_features(), examples(), name="demos")
   assert not os.path.exists(out) and os.path.isdir(out + ".incomplete")
   rlds.write_dataset(out, _openvla_features(), _openvla_examples(EPISODES), name="demos")
-  assert pipeline.open_reader(openvla_config(out)).table.num_episodes == len(EPISODES)
+  assert loader.open_reader(openvla_config(out)).table.num_episodes == len(EPISODES)
   assert not os.path.exists(out + ".incomplete")
 
 
@@ -578,17 +578,17 @@ def test_collect_cli_writes_a_dataset_the_reader_reads(tmp_path):
   assert summary["episodes"] == 3
   d = default.get_config().data
   d.path = out
-  reader = pipeline.open_reader(d)
+  reader = loader.open_reader(d)
   assert reader.table.num_episodes == 3 and reader.table.num_steps == summary["steps"]
   assert all(t.startswith("move to the ") for t in reader.table.tasks)
   assert reader.images(0, 0)[0].shape == (16, 16, 3)
   # Strided samples (the default config's stride 0: the chunk length) start at chunk starts.
   table = reader.table
-  assert d.stride == 0 and len(pipeline.StepSource(reader, 5)) == table.num_steps
-  strided = pipeline.StepSource(reader, 5, stride=5)
+  assert d.stride == 0 and len(loader.StepSource(reader, 5)) == table.num_steps
+  strided = loader.StepSource(reader, 5, stride=5)
   assert len(strided) == sum(-(-int(n) // 5) for n in table.lengths)
   assert all(strided[i]["step"] % 5 == 0 for i in range(len(strided)))
-  ds, _ = pipeline.from_config(d, chunk_len=5, batch_size=2, seed=0)
+  ds, _ = loader.from_config(d, chunk_len=5, batch_size=2, seed=0)
   assert set(next(iter(ds))["step"] % 5) == {0}
   # TFDS itself reads it too, RLDS step fields included.
   builder = tfds.builder_from_directory(out)
@@ -650,7 +650,7 @@ def test_tfrecord_dataset_converts_to_array_record(tmp_path):
   r = subprocess.run([sys.executable, "-m", "jaxvla.data.convert", f"--src={builder.data_dir}",
                       f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
-  table = pipeline.open_reader(openvla_config(str(out))).table
+  table = loader.open_reader(openvla_config(str(out))).table
   np.testing.assert_array_equal(table.actions, _all("actions"))
   np.testing.assert_array_equal(table.lengths, LENGTHS)
 
@@ -722,7 +722,7 @@ def test_bad_normalizers_name_what_is_missing(tmp_path):
   c = default.get_config()
   c.data.normalize = "zscore"  # with neither statistics nor a dataset to compute them from
   with pytest.raises(ValueError, match="config.data.normalize='zscore' needs statistics"):
-    pipeline.normalizer_from_config(c.data)
+    loader.normalizer_from_config(c.data)
   c.data.normalize = "minmax"
   with pytest.raises(ValueError, match="config.data.normalize"):
     config_checks.validate(c)
@@ -730,15 +730,15 @@ def test_bad_normalizers_name_what_is_missing(tmp_path):
 
 def test_bc_batches_normalise_state_and_labels(datasets):
   d = _configs(datasets)["v3"]
-  reader = pipeline.open_reader(d)
+  reader = loader.open_reader(d)
   d.normalize = "quantile"
-  n = pipeline.normalizer_from_config(d, reader)
+  n = loader.normalizer_from_config(d, reader)
   np.testing.assert_allclose(n.stats["state"].q99, np.quantile(_all("state"), 0.99, axis=0),
                              rtol=1e-6)
-  ds, _ = pipeline.from_config(d, chunk_len=4, batch_size=3, seed=0)
+  ds, _ = loader.from_config(d, chunk_len=4, batch_size=3, seed=0)
   raw = next(iter(ds))
   seen = []
-  _, actions, mask = next(pipeline.bc_batches(iter([raw]), lambda obs: seen.append(obs) or {},
+  _, actions, mask = next(loader.bc_batches(iter([raw]), lambda obs: seen.append(obs) or {},
                                               n))
   np.testing.assert_allclose(seen[0].state, n.state(raw["state"]))
   np.testing.assert_allclose(actions, n.action_labels(raw["actions"]))
@@ -821,7 +821,7 @@ def test_collect_success_only_records_successes_and_fails_when_too_few(tmp_path)
   d.path = out
   ds = tfds.builder_from_directory(out).as_data_source(split="train")
   assert len(ds) == 6 and all(bool(ds[i]["episode_metadata"]["success"]) for i in range(6))
-  assert pipeline.open_reader(d).table.num_episodes == 6
+  assert loader.open_reader(d).table.num_episodes == 6
   c.env.max_episode_steps = 1  # nothing can succeed
   with pytest.raises(ValueError, match=r"--success_only: only 0 of 8 attempted episodes"):
     collect.collect(c, str(tmp_path / "none"), 2, noise=0.0, num_envs=2, success_only=True)
@@ -836,7 +836,7 @@ def test_read_threads_share_the_readers_cache(datasets, monkeypatch, name, modul
   """grain reads with several threads: with a one-entry cache every read evicts another
   thread's entry (a check-then-read race was a KeyError in a real run)."""
   monkeypatch.setattr(module, cache, 1)
-  reader = pipeline.open_reader(_configs(datasets)[name])
+  reader = loader.open_reader(_configs(datasets)[name])
   jobs = [(e, s) for e, n in enumerate(LENGTHS) for s in range(n)] * rounds
   interval = sys.getswitchinterval()
   sys.setswitchinterval(1e-6)  # Threads switch often enough to meet inside the cache.

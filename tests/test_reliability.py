@@ -242,13 +242,13 @@ def test_a_direct_start_gets_the_launch_environment():
   environment (ManiSkill3: vk::createInstanceUnique ErrorIncompatibleDriver)."""
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
-  from jaxvla import runtime_env  # pylint: disable=import-outside-toplevel
+  from jaxvla import simulator_env  # pylint: disable=import-outside-toplevel
   bare = {k: v for k, v in os.environ.items()
           if k in ("PATH", "HOME", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")}
-  wanted = runtime_env.changes(bare)
+  wanted = simulator_env.changes(bare)
   assert wanted["OMP_NUM_THREADS"] == "1" and wanted["MUJOCO_GL"] in ("egl", "osmesa")
   assert "MS_SKIP_ASSET_DOWNLOAD_PROMPT" in wanted
-  code = ("import json, os; from jaxvla import runtime_env; runtime_env.ensure(); "
+  code = ("import json, os; from jaxvla import simulator_env; simulator_env.ensure(); "
           "print(json.dumps(dict(os.environ)))")
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=bare, capture_output=True,
                        text=True, timeout=120)
@@ -257,4 +257,4 @@ def test_a_direct_start_gets_the_launch_environment():
   for key, value in wanted.items():
     assert seen.get(key) == value, key
   # Under launch/ (or once applied) nothing is left to change.
-  assert runtime_env.changes(seen) == {}
+  assert simulator_env.changes(seen) == {}

@@ -144,8 +144,8 @@ def main(argv: list[str]) -> None:
       raise app.UsageError("give --policy (serve it here) or --connect=HOST:PORT, not both")
     server, host = None, "127.0.0.1"
     if policy.value is not None:
-      from jaxvla import runtime_env  # pylint: disable=import-outside-toplevel
-      runtime_env.ensure()
+      from jaxvla import simulator_env  # pylint: disable=import-outside-toplevel
+      simulator_env.ensure()
       config = serve.serve_config(serve_flag.value, obs_map=obs_map.value, host=host, port=0,
                                   max_batch=max_batch.value, batch_wait_ms=wait_ms.value)
       server = server_lib.PolicyServer(policy_io.load(policy.value, config_flag.value), config)

@@ -6,7 +6,7 @@ from the files, :func:`detect_format`); :func:`features_from_config` and
 :func:`camera_present` say which dataset keys the config's cameras map to.
 
 The one owner of the config -> reader rule, below both of its users: the BC pipeline
-(:mod:`jaxvla.data.pipeline`, which re-exports :func:`open_reader`) and the statistics
+(:mod:`jaxvla.data.loader`, which re-exports :func:`open_reader`) and the statistics
 command (``python -m jaxvla.data.norm_stats``).
 """
 

@@ -59,14 +59,14 @@ def test_planner_demonstrations_replay_to_success(tmp_path, control_mode):
   """ManiSkill3's motion planner recorded through the collector: its labels, in the
   policy's control mode and [-1, 1] space, replayed open loop from the same seed in
   that control mode reach the goal as the planner did (the conversion is exact)."""
-  from jaxvla.data import collect, config as data_config, pipeline  # pylint: disable=import-outside-toplevel
+  from jaxvla.data import collect, config as data_config, loader  # pylint: disable=import-outside-toplevel
   c = maniskill_config.get_config("sft_rl")
   c.env.control_mode = control_mode
   out = str(tmp_path / "demos")
   summary = collect.collect(c, out, 2, num_envs=2, success_only=True)
   assert summary["episodes"] == 2 and summary["planner_attempts"] >= 2
   assert summary["planner_success_rate"] > 0.5 and summary["label_clipped_fraction"] < 0.01
-  table = pipeline.open_reader(data_config.recorded(c.data, out, ("none",))).table
+  table = loader.open_reader(data_config.recorded(c.data, out, ("none",))).table
   assert table.num_episodes == 2 and table.actions.shape[1] == 8
   assert np.abs(table.actions).max() <= 1.0
   assert table.tasks == ("pick up the red cube and move it to the goal",)
@@ -91,7 +91,7 @@ def test_planner_demonstrations_replay_to_success(tmp_path, control_mode):
   # path, each labelled with the clean target measured from where the arm really is.
   noisy = collect.collect(c, str(tmp_path / "noisy"), 1, noise=0.01, num_envs=1)
   assert noisy["planner_attempts"] == 1
-  other = pipeline.open_reader(data_config.recorded(c.data, str(tmp_path / "noisy"),
+  other = loader.open_reader(data_config.recorded(c.data, str(tmp_path / "noisy"),
                                                     ("none",))).table
   np.testing.assert_array_equal(other.state[0], table.state[0])
   np.testing.assert_allclose(other.actions[0], table.actions[0], atol=1e-6)
