@@ -124,22 +124,36 @@ def _path_str(path) -> str:
   return "/".join(out)
 
 
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+  """``path -> shape`` of every leaf (orbax metadata or arrays / ShapeDtypeStructs)."""
+  return {_path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _first_difference(stored: dict, wanted: dict, prefix: str, ours: str) -> str | None:
+  for path, shape in wanted.items():
+    if path not in stored:
+      return f"{prefix}{path} (shape {shape}) is not in the checkpoint"
+    if stored[path] != shape:
+      return f"{prefix}{path} is stored with shape {stored[path]}, {ours} has {shape}"
+  extra = sorted(set(stored) - set(wanted))
+  if extra:
+    return f"the checkpoint has {prefix}{extra[0]}, which {ours} does not"
+  return None
+
+
 def params_mismatch(stored_tree, abstract_params) -> str | None:
   """The first difference between a checkpoint's stored params (orbax metadata) and
   the params the config builds, as one line; None if they fit."""
-  stored = {_path_str(p): tuple(m.shape) for p, m in
-            jax.tree_util.tree_flatten_with_path(stored_tree)[0]}
-  wanted = {_path_str(p): tuple(x.shape) for p, x in
-            jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
-  for path, shape in wanted.items():
-    if path not in stored:
-      return f"params/{path} (shape {shape}) is not in the checkpoint"
-    if stored[path] != shape:
-      return f"params/{path} is stored with shape {stored[path]}, the config's model has {shape}"
-  extra = sorted(set(stored) - set(wanted))
-  if extra:
-    return f"the checkpoint has params/{extra[0]}, which the config's model does not"
-  return None
+  return _first_difference(_shapes(stored_tree), _shapes(abstract_params), "params/",
+                           "the config's model")
+
+
+def state_mismatch(stored_state, abstract_state) -> str | None:
+  """The first difference outside the params between a checkpoint's stored train state
+  and the one this run builds: the optimizer state, whose tree follows the RL
+  optimizer's settings and what it trains. One line; None if they fit."""
+  return _first_difference(_shapes(stored_state), _shapes(abstract_state), "",
+                           "this run's train state")
 
 
 class Checkpointer:
@@ -203,9 +217,10 @@ class Checkpointer:
 
     A damaged step (unreadable metadata, a truncated or missing array file) is
     skipped with a warning for the one before it. Params that do not fit the
-    config's model (another ``model.name`` or ``model.variant``) are an error,
-    not damage: the message names the step, the first differing path and ``hint``
-    (e.g. the config keys that changed since the checkpoint was written).
+    config's model (another ``model.name`` or ``model.variant``), or an optimizer
+    state of another structure (other RL optimizer settings), are an error, not
+    damage: the message names the step, the first differing path and ``hint`` (e.g.
+    the config keys that changed since the checkpoint was written).
 
     Raises:
       CheckpointError: a mismatch, or no intact step at all (each step's cause named).
@@ -224,14 +239,20 @@ class Checkpointer:
         damaged(step, f"{metadata_file} is missing")
         continue
       try:
-        stored_params = self.manager.item_metadata(step)["state"].tree["params"]
+        stored_state = self.manager.item_metadata(step)["state"].tree
       except Exception as e:  # pylint: disable=broad-except
         damaged(step, f"unreadable ({_first_line(e)})")
         continue
-      mismatch = params_mismatch(stored_params, abstract_state.params)
+      mismatch = params_mismatch(stored_state["params"], abstract_state.params)
       if mismatch:
         raise CheckpointError(f"checkpoint {step} in {directory} does not fit this run's "
                               f"model: {mismatch}{hint}")
+      mismatch = state_mismatch(stored_state, abstract_state)
+      if mismatch:  # (orbax alone would report damage: "tree structures do not match")
+        raise CheckpointError(
+            f"checkpoint {step} in {directory} does not fit this run's optimizer: {mismatch} "
+            "(its state follows the RL optimizer's settings, e.g. ppo.value_learning_rate "
+            f"and ppo.critic_warmup_steps, and the parts it trains){hint}")
       try:
         state, meta = self.restore(step, abstract_state)
       except Exception as e:  # pylint: disable=broad-except

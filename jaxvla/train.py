@@ -280,13 +280,18 @@ def warm_start(config, s: Setup, params, rng
       demo_episodes=float(table.num_episodes), demo_env_steps=float(table.num_steps), **figures)
 
 
-def _changed_model_keys(config, written: dict | None) -> str:
-  """`` (config.model.X: 'a' -> 'b', ...)`` against the config a checkpoint's run wrote."""
-  if not written or "model" not in written:
+def _changed_keys(config, written: dict | None) -> str:
+  """`` (config.model.X: 'a' -> 'b', ...)`` against the config a checkpoint's run wrote:
+  the model's keys and the RL update's (both shape the checkpoint's train state)."""
+  if not written:
     return ""
-  now = json.loads(config.model.to_json_best_effort())
-  changed = [f"config.model.{k}: {written['model'].get(k)!r} -> {v!r}"
-             for k, v in sorted(now.items()) if written["model"].get(k) != v]
+  changed = []
+  for section in ("model", "ppo"):
+    if section not in written:
+      continue
+    now = json.loads(config[section].to_json_best_effort())
+    changed += [f"config.{section}.{k}: {written[section].get(k)!r} -> {v!r}"
+                for k, v in sorted(now.items()) if written[section].get(k) != v]
   return f" (changed since that run: {', '.join(changed)})" if changed else ""
 
 
@@ -308,8 +313,7 @@ def _initial_state(config, s: Setup, rng, written: dict | None = None
     abstract = jax.eval_shape(lambda: learner_lib.init_state(
         s.policy.init(init_key), s.learner.ppo_tx, ppo_key))
     abstract = sharding_lib.with_shardings(abstract, s.learner.state_shardings(abstract))
-    step, state, meta = s.checkpointer.restore_latest(abstract, _changed_model_keys(config,
-                                                                                    written))
+    step, state, meta = s.checkpointer.restore_latest(abstract, _changed_keys(config, written))
     run = RunState.from_meta(meta)
     s.normalizer = (None if run.normalizer is None
                     else norm_lib.Normalizer.from_json(run.normalizer, f"checkpoint {step}"))

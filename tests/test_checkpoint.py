@@ -201,3 +201,22 @@ def test_damaged_latest_checkpoint_falls_back_and_mismatch_names_the_path(tmp_pa
                            r"stored with shape \(.*\), the config's model has .* \(hint\)"):
     ckpt.restore_latest(abstract_small, " (hint)")
   ckpt.close()
+
+
+def test_another_optimizer_is_named_not_taken_for_damage(tmp_path, smoke_config, trained):
+  """The same model with a separate critic optimizer (``ppo.value_learning_rate``): the
+  params fit but the optimizer state's tree does not. One error naming the step, the
+  first differing path and the settings, instead of every step reported damaged."""
+  pol, _, directory = _two_steps(tmp_path, trained)
+  smoke_config.ppo.value_learning_rate = 3e-4
+  lrn = learner_lib.Learner(pol, smoke_config)
+  abstract = jax.eval_shape(lambda: learner_lib.init_state(
+      pol.init(jax.random.PRNGKey(0)), lrn.ppo_tx, jax.random.PRNGKey(0)))
+  ckpt = checkpoint_lib.Checkpointer(directory, max_to_keep=3)
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=r"^checkpoint 2 in .* does not fit this run's optimizer: "
+                           r"(the checkpoint has )?opt_state/\S+ .*ppo\.value_learning_rate.*"
+                           r" \(hint\)$") as info:
+    ckpt.restore_latest(abstract, " (hint)")
+  assert "damaged" not in str(info.value) and "\n" not in str(info.value)
+  ckpt.close()
