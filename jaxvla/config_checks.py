@@ -2,11 +2,11 @@
 
 Rules that belong to one module are checked by that module's own function, which
 this file calls (one owner per rule): mesh sizes and rules
-(:func:`jaxvla.sharding.check_mesh_config`), GRPO groups
+(:func:`jaxvla.parallel.sharding.check_mesh_config`), GRPO groups
 (:func:`jaxvla.envs.protocol.group_layout`), the GRPO loss normaliser
 (:func:`jaxvla.algorithms.grpo.check_normalizer`), the pipeline mode
 (:meth:`jaxvla.runtime.pipeline.Levels.from_config`), ``config.distributed``
-(:func:`jaxvla.distributed.validate`), ``config.data``
+(:func:`jaxvla.parallel.distributed.validate`), ``config.data``
 (:func:`jaxvla.data.config.validate`), ``config.model.lora*``
 (:func:`jaxvla.models.lora.check_config`) and the samplers
 (:func:`jaxvla.models.denoise.check_samplers`). The rest are relations between fields.
@@ -14,12 +14,13 @@ this file calls (one owner per rule): mesh sizes and rules
 
 import ml_collections
 
-from jaxvla import defaults, distributed, sharding
+from jaxvla import defaults
 from jaxvla.algorithms import grpo, ppo
 from jaxvla.data import config as data_config
 from jaxvla.envs import protocol
 from jaxvla.learner import learner
 from jaxvla.models import denoise, lora
+from jaxvla.parallel import distributed, sharding
 from jaxvla.runtime import pipeline
 
 # The PPO settings the streamer needs (the checks below): one pass over each batch, no

@@ -8,7 +8,7 @@
       --tasks=PickCube-v1,PushCube-v1 --episodes_per_task=20 --out=DIR
 
 ``--policy`` is a jaxvla export, a jaxvla run (its checkpoints) or an openpi
-checkpoint (:mod:`jaxvla.policy_io`); the env settings come from ``--config``
+checkpoint (:mod:`jaxvla.storage.policy_io`); the env settings come from ``--config``
 (default: the policy's own run config), the model from the policy's run config
 (an openpi checkpoint's from ``--config``, which must then be given).
 
@@ -53,10 +53,10 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from jaxvla import policy_io
 from jaxvla.envs import libero as libero_env
 from jaxvla.envs import make_vec_env, normalized, protocol, spec_from_config
 from jaxvla.rollout import evaluate as evaluate_lib
+from jaxvla.storage import policy_io
 
 LIBERO_REPLAN_STEPS = 5  # openpi's examples/libero/main.py: replan_steps = 5.
 LIBERO_RESET_SEED = 0  # Episode e of a task starts from the suite's init state e.

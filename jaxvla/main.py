@@ -20,7 +20,8 @@ from ml_collections import config_flags
 # Only light modules here: flags and configs are parsed (and a typo reported) before the
 # training stack (flax, orbax, the data and env libraries: seconds) is imported, and a
 # direct start re-executes under launch/env.sh (simulator_env.ensure) before it is, too.
-from jaxvla import config_files, simulator_env, workdir as workdir_lib
+from jaxvla import config_files, simulator_env
+from jaxvla.storage import workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py", "Config file (optionally ':variant').", lock_config=True)
@@ -34,7 +35,11 @@ def main(argv):
   # Started without launch/run.sh: the simulators' environment (launch/env.sh) is applied
   # by re-executing this command with it, before any simulator or backend loads.
   simulator_env.ensure()
-  from jaxvla import checkpoint, distributed, train  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from jaxvla import train
+  from jaxvla.parallel import distributed
+  from jaxvla.storage import checkpoint
+  # pylint: enable=import-outside-toplevel
   # Errors whose message says all a user needs (the step, file or holder): one line on
   # stderr and exit status 1, without a traceback.
   one_line_errors = (checkpoint.CheckpointError, workdir_lib.WorkdirInUse, FileNotFoundError)
@@ -70,7 +75,7 @@ def _exit_lost(lost: list[int], workdir: str, checkpoint) -> None:
   wait for the lost process in JAX's shutdown barrier until the heartbeat timeout and
   then abort with a C++ trace."""
   import jax  # pylint: disable=import-outside-toplevel
-  from jaxvla import distributed  # pylint: disable=import-outside-toplevel
+  from jaxvla.parallel import distributed  # pylint: disable=import-outside-toplevel
   saved = checkpoint.saved_steps(os.path.join(workdir, "checkpoints"))
   resume = [a for a in sys.argv[1:] if not a.startswith("--config.resume")]
   command = shlex.join(["python", "-m", "jaxvla.main", *resume, "--config.resume=True"])

@@ -2,12 +2,12 @@
 
 ``python -m jaxvla.openpi_export --policy=DIR --out=DIR --asset_id=ID [--config=FILE]
 [--identity_norm_stats] [--allow_norm_mode_mismatch] [--base_only]`` loads any policy
-:func:`jaxvla.policy_io.load` reads and writes it with
+:func:`jaxvla.storage.policy_io.load` reads and writes it with
 :func:`jaxvla.models.openpi_export.export_loaded`, which owns the layout and the flags'
 rules (docs/policy.md, "Export in openpi's layout"). Prints one JSON line.
 
 The command's own module, above both of its imports: the export itself lives in
-``models/``, which imports nothing of :mod:`jaxvla.policy_io` (policy_io builds its
+``models/``, which imports nothing of :mod:`jaxvla.storage.policy_io` (policy_io builds its
 policies from ``models/``).
 """
 
@@ -18,8 +18,8 @@ import sys
 
 import jax
 
-from jaxvla import policy_io
 from jaxvla.models import openpi_export
+from jaxvla.storage import policy_io
 
 
 def main(argv: list[str]) -> None:

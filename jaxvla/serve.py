@@ -1,6 +1,6 @@
 """Serve a policy to openpi clients: ``python -m jaxvla.serve --policy=DIR --port=8000``.
 
-Loads the policy with :func:`jaxvla.policy_io.load` (a jaxvla export, a run or its
+Loads the policy with :func:`jaxvla.storage.policy_io.load` (a jaxvla export, a run or its
 ``checkpoints/``, or an openpi checkpoint step with ``--config``) and serves it
 over openpi's websocket + msgpack protocol (:mod:`jaxvla.serving.server`) until
 Ctrl-C or SIGTERM (a scheduler's stop), closing its connections first. Flags:
@@ -23,9 +23,9 @@ import sys
 
 import ml_collections
 
-from jaxvla import policy_io
 from jaxvla.serving import config as serving_config
 from jaxvla.serving import server as server_lib
+from jaxvla.storage import policy_io
 
 # The server's settings as a config file (config_flags reads files), inside the package.
 SERVE_CONFIG = serving_config.__file__

@@ -36,20 +36,22 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxvla import checkpoint as checkpoint_lib
-from jaxvla import config_checks, distributed, metrics as metrics_lib, policy_io
-from jaxvla import sharding as sharding_lib
-from jaxvla import workdir as workdir_lib
+from jaxvla import config_checks, metrics as metrics_lib
 from jaxvla.data import collect as collect_lib
 from jaxvla.data import config as data_config
-from jaxvla.data import norm_stats as norm_lib
 from jaxvla.data import loader as data_loader
+from jaxvla.data import norm_stats as norm_lib
 from jaxvla.envs import make_vec_env, normalized, protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract, openpi_import, policy as policy_lib
+from jaxvla.parallel import distributed
+from jaxvla.parallel import sharding as sharding_lib
 from jaxvla.rollout import evaluate as evaluate_lib
 from jaxvla.runtime import ledger as ledger_lib
 from jaxvla.runtime import pipeline as pipeline_lib
+from jaxvla.storage import checkpoint as checkpoint_lib
+from jaxvla.storage import policy_io
+from jaxvla.storage import workdir as workdir_lib
 
 log = logging.getLogger(__name__)
 

@@ -123,7 +123,7 @@ worker_setup() { # [--nfs=SERVER:/EXPORT --mount=DIR --workdir=DIR]
 worker_has_checkpoint() { # WORKDIR: prints 'jaxvla-checkpoint=yes' or '=no'
   (($# == 1)) || die "_has_checkpoint: expected the workdir"
   if "$ROOT/.venv/bin/python" -c 'import sys
-from jaxvla.checkpoint import has_checkpoint
+from jaxvla.storage.checkpoint import has_checkpoint
 sys.exit(0 if has_checkpoint(sys.argv[1]) else 1)' "$1/checkpoints"; then
     echo "jaxvla-checkpoint=yes"
   else

@@ -8,7 +8,7 @@ spans processes and the params are FSDP-sharded across them).
 
 Every process builds the same inputs (an 8-env BC batch and an 8-env rollout).
 The reference learner sees all of them; in the multi-process run process ``i``
-passes only its rows (``jaxvla.distributed.to_global`` assembles the global
+passes only its rows (``jaxvla.parallel.distributed.to_global`` assembles the global
 batch). Computed, in this order: one ``bc_step``; one ``update``; one
 streamed update (``micro_grads`` of two micro-batches, ``accumulate``,
 ``apply``), where the multi-process micro-batch ``j`` is every process's ``j``-th
@@ -33,10 +33,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from configs import default  # noqa: E402
-from jaxvla import distributed, sharding  # noqa: E402
 from jaxvla.envs import builtin  # noqa: E402
 from jaxvla.learner import learner as learner_lib  # noqa: E402
 from jaxvla.models import policy as policy_lib  # noqa: E402
+from jaxvla.parallel import distributed, sharding  # noqa: E402
 from jaxvla.rollout import rollout as rollout_lib  # noqa: E402
 
 NUM_ENVS, ROLLOUT_LEN, MICRO = 8, 2, 2  # MICRO: micro-batches of the streamed update.

@@ -24,10 +24,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from configs import default  # noqa: E402
-from jaxvla import sharding  # noqa: E402
 from jaxvla.envs import builtin  # noqa: E402
 from jaxvla.learner import learner as learner_lib  # noqa: E402
 from jaxvla.models import policy as policy_lib  # noqa: E402
+from jaxvla.parallel import sharding  # noqa: E402
 from jaxvla.rollout import rollout as rollout_lib  # noqa: E402
 
 RTOL = ATOL = 1e-5

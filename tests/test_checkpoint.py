@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from configs import default
-from jaxvla import checkpoint as checkpoint_lib, train
+from jaxvla import train
 from jaxvla.data import norm_stats
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
+from jaxvla.storage import checkpoint as checkpoint_lib
 from tests import end_to_end
 
 

@@ -17,12 +17,13 @@ import numpy as np
 import psutil
 import pytest
 
-from jaxvla import checkpoint as checkpoint_lib, types
+from jaxvla import types
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.runtime import ledger as ledger_lib, queue as queue_lib
+from jaxvla.storage import checkpoint as checkpoint_lib
 from tests import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""A policy export used on its own (jaxvla.exported), and rollout frames (jaxvla.envs.frames).
+"""A policy export used on its own (jaxvla.storage.exported), and rollout frames (jaxvla.envs.frames).
 
 Checked:
 
@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from configs import default
-from jaxvla import checkpoint, exported
 from jaxvla.data import norm_stats
 from jaxvla.envs import builtin, frames, make_env, normalized
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import evaluate as evaluate_lib
+from jaxvla.storage import checkpoint, exported
 
 
 def _reach(n: int) -> builtin.ColorReach:

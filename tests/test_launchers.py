@@ -35,8 +35,9 @@ import numpy as np
 import pytest
 
 from configs import tpu
-from jaxvla import checkpoint as checkpoint_lib
-from jaxvla import config_checks, sharding
+from jaxvla import config_checks
+from jaxvla.parallel import sharding
+from jaxvla.storage import checkpoint as checkpoint_lib
 from tests import fake_slurm
 from tests.conftest import ROOT
 

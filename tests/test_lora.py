@@ -14,10 +14,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxvla import config_checks, sharding
+from jaxvla import config_checks
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib, update as update_lib
 from jaxvla.models import lora, openpi_import as oi, policy as policy_lib, summary
+from jaxvla.parallel import sharding
 from tests import trajectories
 
 

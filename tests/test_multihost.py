@@ -36,8 +36,9 @@ import numpy as np
 import pytest
 
 from configs import default
-from jaxvla import checkpoint as checkpoint_lib
-from jaxvla import config_checks, distributed
+from jaxvla import config_checks
+from jaxvla.parallel import distributed
+from jaxvla.storage import checkpoint as checkpoint_lib
 from tests import fake_slurm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

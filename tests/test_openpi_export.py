@@ -19,11 +19,11 @@ import pytest
 from flax import traverse_util
 
 from configs import default
-from jaxvla import policy_io
 from jaxvla.data import norm_stats
 from jaxvla.envs import builtin
 from jaxvla.models import layers, lora, openpi_export, openpi_import, summary
 from jaxvla.models import policy as policy_lib
+from jaxvla.storage import policy_io
 from tests.conftest import ROOT
 
 
@@ -205,7 +205,7 @@ def test_lora_adapters_are_merged(tmp_path):
 
 def test_cli_exports_a_jaxvla_export(tmp_path):
   """``python -m jaxvla.openpi_export`` on a jaxvla export (through policy_io.load)."""
-  from jaxvla import checkpoint
+  from jaxvla.storage import checkpoint
   c, env, pol, params = _policy("pi0")
   src = tmp_path / "export"
   checkpoint.export_policy(str(src), params, c.to_json())

@@ -164,7 +164,8 @@ def test_openpi_checkpoint_round_trip(smoke_config, tmp_path):
 def test_init_checkpoint_starts_the_run(tmp_path, smoke_config):
   """``model.init_checkpoint``: the run starts from the openpi-layout weights (its
   step-0 checkpoint holds them exactly) with fresh RL heads."""
-  from jaxvla import checkpoint as checkpoint_lib, train
+  from jaxvla.storage import checkpoint as checkpoint_lib
+  from jaxvla import train
   from jaxvla.learner import learner as learner_lib
   _, pol, written = _policy(smoke_config, "pi0", posemb="learn")
   written = jax.tree.map(lambda x: x + 0.01, written)  # Not what init(PRNGKey) gives.

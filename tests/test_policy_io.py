@@ -1,4 +1,4 @@
-"""jaxvla.policy_io: one loader for exports, a run's checkpoints and openpi checkpoints.
+"""jaxvla.storage.policy_io: one loader for exports, a run's checkpoints and openpi checkpoints.
 
 Checked: a run's checkpoint directory yields the newest (or a named) step's params
 only, with the normaliser stored in its meta and the run's config; the workdir and its
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from configs import default
-from jaxvla import checkpoint, policy_io
 from jaxvla.data import norm_stats
 from jaxvla.envs import builtin
 from jaxvla.models import openpi_export
 from jaxvla.models import policy as policy_lib
+from jaxvla.storage import checkpoint, policy_io
 
 
 def _setup():

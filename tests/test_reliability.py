@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from configs import default
-from jaxvla import checkpoint as checkpoint_lib, train, workdir as workdir_lib
+from jaxvla import train
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import pacer as pacer_lib
+from jaxvla.storage import checkpoint as checkpoint_lib, workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,7 +138,7 @@ def test_one_line_errors_from_the_command_line(tmp_path):
 _FULL_DISK = r"""
 import json, os, sys
 import jax.numpy as jnp, numpy as np
-from jaxvla import checkpoint as checkpoint_lib
+from jaxvla.storage import checkpoint as checkpoint_lib
 d = os.path.join(sys.argv[1], "checkpoints")
 ckpt = checkpoint_lib.Checkpointer(d, 5)
 # ~1.2 MB a step in 20 arrays (random, so not compressed away) on a 3 MB filesystem.

@@ -38,7 +38,7 @@ from openpi_client import image_tools, msgpack_numpy
 from openpi_client import websocket_client_policy as openpi_client
 
 from configs import default, serve as serve_configs
-from jaxvla import checkpoint, policy_io, serve
+from jaxvla import serve
 from jaxvla.bench import serve as bench_serve
 from jaxvla.data import norm_stats
 from jaxvla.envs import protocol
@@ -47,6 +47,7 @@ from jaxvla.serving import obs_map as obs_map_lib
 from jaxvla.serving import runner as runner_lib
 from jaxvla.serving import server as server_lib
 from jaxvla.serving import wire
+from jaxvla.storage import checkpoint, policy_io
 
 # openpi_client 0.1.2 connects without a context manager, which websockets 15+ deprecates;
 # the warning is the client's, not the server's.

@@ -11,8 +11,9 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from configs import default
-from jaxvla import config_checks, sharding
+from jaxvla import config_checks
 from jaxvla.models import summary
+from jaxvla.parallel import sharding
 
 RULES = default.get_config().mesh.rules
 

@@ -164,7 +164,7 @@ def test_bad_sampler_settings_name_the_key(smoke_config, changes, match):
 def test_a_steered_export_loads_steered_and_openpi_export_refuses_it(tmp_path, smoke_config):
   """policy_io rebuilds the steering from the export's config (its eval acts with the
   head's mean); openpi's tree cannot hold the head, so that export needs --base_only."""
-  from jaxvla import checkpoint, policy_io
+  from jaxvla.storage import checkpoint, policy_io
   from jaxvla.data import norm_stats
   from jaxvla.models import openpi_export
   env, pol, params = _steered(smoke_config, "residual")

@@ -49,16 +49,17 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxvla import config_checks, config_files, distributed, plot_timeline
-from jaxvla import sharding as sharding_lib
+from jaxvla import config_checks, config_files, plot_timeline
 from jaxvla.bench import envs as env_bench
 from jaxvla.bench import trace_summary
 from jaxvla.envs import make_vec_env
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
-from jaxvla.runtime import pipeline as pipeline_lib
+from jaxvla.parallel import distributed
+from jaxvla.parallel import sharding as sharding_lib
 from jaxvla.rollout import rollout as rollout_lib
 from jaxvla.rollout import segments as segments_lib
+from jaxvla.runtime import pipeline as pipeline_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py:bench", "Config file (optionally ':variant').",

@@ -60,9 +60,9 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from jaxvla import distributed, sharding as sharding_lib  # noqa: E402
 from jaxvla.bench import pipeline as bench_pipeline  # noqa: E402
 from jaxvla.envs import make_vec_env  # noqa: E402
+from jaxvla.parallel import distributed, sharding as sharding_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
 # The pipeline benchmark's flags (defined by that import), with this benchmark's defaults:

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import websockets.sync.client
 
-from jaxvla import policy_io
 from jaxvla.serving import server as server_lib
 from jaxvla.serving import wire
+from jaxvla.storage import policy_io
 
 
 class _Client:

@@ -13,7 +13,7 @@ state donated:
 
 The learner always has a mesh (one device when none is given), so every run,
 test or production, goes through the same sharded jits: params by their
-logical axes (:mod:`jaxvla.sharding`), optimizer moments like their params,
+logical axes (:mod:`jaxvla.parallel.sharding`), optimizer moments like their params,
 scalars and PRNG keys replicated, and data split on its env axis
 (:meth:`jaxvla.types.Trajectory.env_axes`). Callers place the state with
 :meth:`Learner.shard_state` (or restore it onto :meth:`Learner.state_shardings`).
@@ -27,7 +27,7 @@ Multi-process (``jax.process_count() > 1``, a mesh over every process's learner
 devices): every entry point takes *this process's* rows of the batch (its own
 env segments, episodes or demonstration chunks, equal in number on every
 process) and assembles the global batch with
-:func:`jaxvla.distributed.to_global`; sizes named in errors are per process,
+:func:`jaxvla.parallel.distributed.to_global`; sizes named in errors are per process,
 the update is over all processes' data. Every process must call the same entry
 points in the same order (they are collectives).
 """
@@ -46,11 +46,12 @@ import numpy as np
 import optax
 from flax import struct
 
-from jaxvla import distributed, types
-from jaxvla import sharding as sharding_lib
+from jaxvla import types
 from jaxvla.algorithms import ppo
 from jaxvla.learner import objectives, trainable as trainable_lib, update as update_lib
 from jaxvla.models import contract
+from jaxvla.parallel import distributed
+from jaxvla.parallel import sharding as sharding_lib
 
 
 log = logging.getLogger(__name__)
@@ -212,8 +213,8 @@ class Learner:
     policy: the policy contract.
     config: the run config: ``bc`` (the warm start's optimizer), ``ppo`` (the RL
       update) and ``algorithm`` / ``grpo`` (the RL objective, picked once, here).
-    mesh: the learner mesh (``jaxvla.sharding.make_mesh``); None: one device.
-    rules: ``config.mesh.rules`` (default :data:`jaxvla.sharding.DEFAULT_RULES`).
+    mesh: the learner mesh (``jaxvla.parallel.sharding.make_mesh``); None: one device.
+    rules: ``config.mesh.rules`` (default :data:`jaxvla.parallel.sharding.DEFAULT_RULES`).
     behaviour_is_proximal: every RL batch was sampled with the params the update starts
       from (``sync_colocated``): the decoupled correction's proximal pass is skipped
       (``update.epochs_update``).

@@ -7,7 +7,7 @@ checkpoints see the same tree. The forward passes are plain functions of those
 dicts; scanned layer stacks hold each weight with a leading ``layers`` axis,
 exactly as openpi's ``nn.scan`` stores them.
 
-Logical axis names used here (``jaxvla.sharding`` maps them to mesh axes):
+Logical axis names used here (``jaxvla.parallel.sharding`` maps them to mesh axes):
 ``layers``, ``embed`` (model width), ``mlp``, ``heads``, ``kv_heads``,
 ``head_dim``, ``vocab``, ``patch``, ``channels``, and ``None`` for axes that are
 never sharded.

@@ -30,7 +30,7 @@ refused too, because openpi needs the file: ``identity_norm_stats=True`` writes
 statistics under which openpi's transform leaves values unchanged up to its ``1e-6``.
 
 The command, ``python -m jaxvla.openpi_export`` (:mod:`jaxvla.openpi_export`), loads any
-policy :func:`jaxvla.policy_io.load` reads and writes the export with :func:`export_loaded`.
+policy :func:`jaxvla.storage.policy_io.load` reads and writes the export with :func:`export_loaded`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ POS_EMBEDDING = "PaliGemma/img/pos_embedding"
 # openpi's normalisation per model (its DataConfigFactory: use_quantile_norm = model != PI0).
 # openpi normalises pi0's state and actions by z-score and pi0.5's (and FAST's) by
 # quantiles (its DataConfigFactory: use_quantile_norm = model_type != PI0). The one
-# owner of that rule: jaxvla.policy_io reads openpi checkpoints with it.
+# owner of that rule: jaxvla.storage.policy_io reads openpi checkpoints with it.
 OPENPI_NORM_MODE = {"pi0": "zscore", "pi05": "quantile"}
 
 
@@ -191,7 +191,7 @@ def export_openpi(out_dir: str, params: Mapping[str, Any],
 
 def export_loaded(out_dir: str, loaded, asset_id: str, *, identity_norm_stats: bool = False,
                   allow_norm_mode_mismatch: bool = False, base_only: bool = False) -> dict:
-  """:func:`export_openpi` of a :class:`jaxvla.policy_io.LoadedPolicy` (pi0 / pi0.5 only).
+  """:func:`export_openpi` of a :class:`jaxvla.storage.policy_io.LoadedPolicy` (pi0 / pi0.5 only).
 
   A policy RL-trained with a steered sampler ('latent', 'residual') acts through its
   steering head (``rl/steer_*``), which openpi's tree has no place for: it is refused
@@ -214,7 +214,7 @@ def export_loaded(out_dir: str, loaded, asset_id: str, *, identity_norm_stats: b
 
 
 if __name__ == "__main__":
-  # The command loads policies through jaxvla.policy_io, which sits above models/: it lives in
+  # The command loads policies through jaxvla.storage.policy_io, which sits above models/: it lives in
   # jaxvla.openpi_export, so that nothing under models/ imports back up.
   sys.exit("error: the openpi export's command is now `python -m jaxvla.openpi_export` "
            "(same flags)")

@@ -33,8 +33,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxvla import distributed, timing
-from jaxvla import sharding as sharding_lib
+from jaxvla import timing
+from jaxvla.parallel import distributed
+from jaxvla.parallel import sharding as sharding_lib
 
 
 class ParamServer:

@@ -57,7 +57,7 @@ Multi-process (``jax.distributed``): every process runs this pipeline over its
 own env pool and rollout devices; the learner steps and the weight broadcast are
 collectives over every process's learner devices, so every process makes the same
 number of updates of the same shape. After each update the processes sum their
-env-step counts and stop requests (:func:`jaxvla.distributed.sum_over_hosts`), so
+env-step counts and stop requests (:func:`jaxvla.parallel.distributed.sum_over_hosts`), so
 the budget, the stop and a Ctrl-C on any one process (which then takes effect at
 the end of the current update) are decided alike everywhere.
 """
@@ -74,10 +74,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxvla import distributed, timing, types
+from jaxvla import timing, types
 from jaxvla.envs import protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract
+from jaxvla.parallel import distributed
 from jaxvla.rollout import episodes as episodes_lib
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.rollout import rollout as rollout_lib

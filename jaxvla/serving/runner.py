@@ -32,9 +32,9 @@ import traceback
 import jax
 import numpy as np
 
-from jaxvla import policy_io
 from jaxvla.envs import protocol
 from jaxvla.rollout import evaluate as evaluate_lib
+from jaxvla.storage import policy_io
 
 NOISE_MODES = ("fixed", "per_request")
 _log = logging.getLogger("jaxvla.serve")
@@ -54,7 +54,7 @@ class PolicyRunner:
   """The loaded policy acting on batches of prepared requests (see the module docstring).
 
   Args:
-    loaded: the policy (:func:`jaxvla.policy_io.load`).
+    loaded: the policy (:func:`jaxvla.storage.policy_io.load`).
     sampler: ``act``'s mode: 'eval', 'train' or a sampler name.
     noise: one of :data:`NOISE_MODES`.
     seed: seed of the noise keys.

@@ -36,10 +36,10 @@ import numpy as np
 import websockets
 from websockets.asyncio import server as ws_server
 
-from jaxvla import policy_io
 from jaxvla.serving import obs_map as obs_map_lib
 from jaxvla.serving import runner as runner_lib
 from jaxvla.serving import wire
+from jaxvla.storage import policy_io
 
 _log = logging.getLogger("jaxvla.serve")
 # How often the serving loop looks at the batching thread (it stops the server if it died).

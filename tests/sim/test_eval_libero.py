@@ -15,10 +15,11 @@ import jax
 import pytest
 
 from configs import libero as libero_config
-from jaxvla import checkpoint, eval as eval_lib, policy_io
+from jaxvla import eval as eval_lib
 from jaxvla.envs import libero as libero_env
 from jaxvla.envs import spec_from_config
 from jaxvla.models import policy as policy_lib
+from jaxvla.storage import checkpoint, policy_io
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(600)]
 

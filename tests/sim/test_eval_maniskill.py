@@ -9,9 +9,10 @@ import jax
 import pytest
 
 from configs import maniskill as maniskill_config
-from jaxvla import checkpoint, eval as eval_lib, policy_io
+from jaxvla import eval as eval_lib
 from jaxvla.envs import spec_from_config
 from jaxvla.models import policy as policy_lib
+from jaxvla.storage import checkpoint, policy_io
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(600)]
 

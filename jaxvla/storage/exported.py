@@ -1,9 +1,9 @@
 """A run's policy export used on its own: fixed-seed evaluation, and episodes for a video.
 
-An export (``<workdir>/export``, written by :func:`jaxvla.checkpoint.export_policy`)
+An export (``<workdir>/export``, written by :func:`jaxvla.storage.checkpoint.export_policy`)
 holds the policy's params, the run's config (``config.json``) and, for a run with
 ``data.normalize``, its normalisation (``norm_stats.json``). This module loads it
-through :func:`jaxvla.policy_io.load`, builds the env from the export's config,
+through :func:`jaxvla.storage.policy_io.load`, builds the env from the export's config,
 and plays episodes through jaxvla's own evaluation
 (:func:`jaxvla.rollout.evaluate.evaluate`, the config's evaluation sampler). By
 default they are the episodes the run's evaluations played (the same reset seed),
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import jax
 
-from jaxvla import policy_io
 from jaxvla.envs import frames as frames_lib
 from jaxvla.envs import make_vec_env, normalized
 from jaxvla.rollout import evaluate as evaluate_lib
+from jaxvla.storage import policy_io
 
 
 def _play(export_dir: str, num_episodes: int | None, seed: int | None, record: bool

@@ -30,13 +30,14 @@ import os
 import jax
 import ml_collections
 
-from jaxvla import checkpoint, defaults
+from jaxvla import defaults
 from jaxvla.data import norm_stats
 from jaxvla.envs import protocol
 from jaxvla.envs import spec_from_config, spec_from_json, spec_to_json
 from jaxvla.models import contract, openpi_import
 from jaxvla.models import policy as policy_lib
 from jaxvla.models.openpi_export import OPENPI_NORM_MODE
+from jaxvla.storage import checkpoint
 
 KINDS = ("export", "checkpoint", "openpi")
 CONFIG_FILE = "config.json"

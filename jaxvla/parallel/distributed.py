@@ -45,7 +45,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxvla import sharding
+from jaxvla.parallel import sharding
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Device meshes and multi-host runs: logical-axis sharding and jax.distributed."""
