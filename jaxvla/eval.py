@@ -26,7 +26,7 @@ The protocol (each choice and where it comes from is in docs/evaluation.md):
 ``--num_envs`` episodes of a task run in parallel (``--env_workers`` processes).
 Episode ``e`` is env ``e % num_envs``'s episode ``e // num_envs``, and its sampler
 noise is a function of ``(--seed, task, env, episode, chunk)``
-(:func:`jaxvla.rollout.evaluate.row_keyed_act`): the same flags give the same
+(:func:`jaxvla.evaluation.success.row_keyed_act`): the same flags give the same
 per-episode outcomes, and a killed evaluation started again with the same
 ``--out`` resumes with the episodes it has not played (``episodes.jsonl`` holds
 every finished one).
@@ -55,7 +55,7 @@ import tqdm
 
 from jaxvla.envs import libero as libero_env
 from jaxvla.envs import make_vec_env, normalized, protocol, spec_from_config
-from jaxvla.rollout import evaluate as evaluate_lib
+from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.storage import policy_io
 
 LIBERO_REPLAN_STEPS = 5  # openpi's examples/libero/main.py: replan_steps = 5.

@@ -42,11 +42,11 @@ from jaxvla.data import config as data_config
 from jaxvla.data import loader as data_loader
 from jaxvla.data import norm_stats as norm_lib
 from jaxvla.envs import make_vec_env, normalized, protocol
+from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract, openpi_import, policy as policy_lib
 from jaxvla.parallel import distributed
 from jaxvla.parallel import sharding as sharding_lib
-from jaxvla.rollout import evaluate as evaluate_lib
 from jaxvla.runtime import ledger as ledger_lib
 from jaxvla.runtime import pipeline as pipeline_lib
 from jaxvla.storage import checkpoint as checkpoint_lib

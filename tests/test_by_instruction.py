@@ -6,8 +6,9 @@ import numpy as np
 from configs import default
 from jaxvla.bench import by_instruction
 from jaxvla.envs import builtin
+from jaxvla.evaluation import exported
 from jaxvla.models import policy as policy_lib
-from jaxvla.storage import checkpoint, exported, policy_io
+from jaxvla.storage import checkpoint, policy_io
 
 
 def test_every_episode_is_counted_under_its_instruction(tmp_path):

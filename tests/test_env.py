@@ -217,7 +217,7 @@ def test_evaluation_env_in_workers_plays_the_same_episodes():
   evaluation as in the trainer process (same episodes, ungrouped)."""
   import jax  # pylint: disable=import-outside-toplevel
   from jaxvla import train  # pylint: disable=import-outside-toplevel
-  from jaxvla.rollout import evaluate  # pylint: disable=import-outside-toplevel
+  from jaxvla.evaluation import success as evaluate  # pylint: disable=import-outside-toplevel
   c = default.get_config("smoke")
   c.env.group_size = 2  # (a run's groups; evaluation episodes are independent)
   results = []

@@ -34,8 +34,8 @@ import pytest
 from configs import default
 from jaxvla import eval as eval_lib
 from jaxvla.envs import builtin, make_env
+from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.models import policy as policy_lib
-from jaxvla.rollout import evaluate as evaluate_lib
 from jaxvla.storage import checkpoint, policy_io
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

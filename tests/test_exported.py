@@ -1,4 +1,4 @@
-"""A policy export used on its own (jaxvla.storage.exported), and rollout frames (jaxvla.envs.frames).
+"""A policy export used on its own (jaxvla.evaluation.exported), and rollout frames (jaxvla.envs.frames).
 
 Checked:
 
@@ -8,7 +8,7 @@ Checked:
   recording changes nothing the env returns. :func:`tile` lays episodes out and
   holds each last frame in a green (success) or red (failure) border.
 * :func:`evaluate_export` on an export with ``norm_stats.json`` gives exactly what
-  ``jaxvla.rollout.evaluate.evaluate`` gives on those params through that
+  ``jaxvla.evaluation.success.evaluate`` gives on those params through that
   normalisation on the run's evaluation episodes; :func:`record_export` plays the
   same episodes and returns their frames.
 """
@@ -24,9 +24,10 @@ import pytest
 from configs import default
 from jaxvla.data import norm_stats
 from jaxvla.envs import builtin, frames, make_env, normalized
+from jaxvla.evaluation import exported
+from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.models import policy as policy_lib
-from jaxvla.rollout import evaluate as evaluate_lib
-from jaxvla.storage import checkpoint, exported
+from jaxvla.storage import checkpoint
 
 
 def _reach(n: int) -> builtin.ColorReach:

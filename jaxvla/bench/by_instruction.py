@@ -1,7 +1,7 @@
 """Success split by instruction: ``python -m jaxvla.bench.by_instruction --policy=EXPORT``.
 
 Plays an export's fixed-seed evaluation episodes (its run's evaluation sampler, key and
-episode seed, as ``jaxvla.storage.exported.evaluate_export`` does) in the env in this process,
+episode seed, as ``jaxvla.evaluation.exported.evaluate_export`` does) in the env in this process,
 and counts each episode's outcome by the instruction it was given: ``success``,
 ``timeout`` (the time limit) or ``other`` (ended otherwise: ColorReach's wrong target).
 On ColorReach the instruction names the target's colour, so a policy that has not
@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxvla.envs import make_vec_env, normalized, protocol
-from jaxvla.rollout import evaluate as evaluate_lib
+from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.storage import policy_io
 
 OUTCOMES = ("success", "timeout", "other")

@@ -3,7 +3,7 @@
 :class:`FirstEpisodeFrames` wraps an in-process env that reports each executed step
 through a ``frame_hook`` (ColorReach does: :mod:`jaxvla.envs.builtin`). It is a
 :class:`jaxvla.envs.protocol.VecEnv` itself, so jaxvla's own evaluation
-(:func:`jaxvla.rollout.evaluate.evaluate`, which plays exactly the first episode of
+(:func:`jaxvla.evaluation.success.evaluate`, which plays exactly the first episode of
 every env) runs through it unchanged while it keeps, per env, the frame after
 ``reset`` and the frame after each step of that first episode. :func:`tile` lays
 recorded episodes side by side as one clip (``uint8 [T, H, W, 3]``) for a GIF or mp4.

@@ -4,5 +4,7 @@
 * :mod:`jaxvla.rollout.segments` / :mod:`jaxvla.rollout.episodes`: PPO segments
   and GRPO episode groups, cut into :class:`jaxvla.types.Item` s.
 * :mod:`jaxvla.rollout.pacer`: bounded staleness by pacing segment starts.
-* :mod:`jaxvla.rollout.evaluate`: training success and fixed-seed evaluation.
+
+The rollout's training success is tracked by :mod:`jaxvla.evaluation.success`, which
+also plays the fixed-seed evaluation episodes.
 """

@@ -40,8 +40,8 @@ import numpy as np
 
 from jaxvla import timing, types
 from jaxvla.envs import protocol
+from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.models import contract
-from jaxvla.rollout import evaluate as evaluate_lib
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.rollout import segments as segments_lib
 from jaxvla.rollout.segments import rows

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxvla.envs import protocol
-from jaxvla.rollout import evaluate as evaluate_lib
+from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.storage import policy_io
 
 NOISE_MODES = ("fixed", "per_request")

@@ -5,7 +5,7 @@ holds the policy's params, the run's config (``config.json``) and, for a run wit
 ``data.normalize``, its normalisation (``norm_stats.json``). This module loads it
 through :func:`jaxvla.storage.policy_io.load`, builds the env from the export's config,
 and plays episodes through jaxvla's own evaluation
-(:func:`jaxvla.rollout.evaluate.evaluate`, the config's evaluation sampler). By
+(:func:`jaxvla.evaluation.success.evaluate`, the config's evaluation sampler). By
 default they are the episodes the run's evaluations played (the same reset seed),
 so the figures compare with the run's; the sampler's noise key is this call's own.
 
@@ -20,7 +20,7 @@ import jax
 
 from jaxvla.envs import frames as frames_lib
 from jaxvla.envs import make_vec_env, normalized
-from jaxvla.rollout import evaluate as evaluate_lib
+from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.storage import policy_io
 
 
@@ -59,7 +59,7 @@ def evaluate_export(export_dir: str, num_episodes: int | None = None,
     seed: the envs' reset seed (default: the run's evaluation seed).
 
   Returns:
-    :func:`jaxvla.rollout.evaluate.evaluate`'s figures (``success_rate``, ...).
+    :func:`jaxvla.evaluation.success.evaluate`'s figures (``success_rate``, ...).
   """
   return _play(export_dir, num_episodes, seed, record=False)[0]
 

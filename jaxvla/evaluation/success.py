@@ -50,7 +50,7 @@ class EpisodeTracker:
 EVAL_KEYS = ("success_rate", "episode_return", "episode_length", "num_episodes",
              "eval_env_steps")
 # A run's evaluations reset their envs with config.seed + this: the same episodes at
-# every evaluation of the run, and for its export evaluated later (jaxvla.storage.exported).
+# every evaluation of the run, and for its export evaluated later (jaxvla.evaluation.exported).
 EVAL_SEED_OFFSET = 12345
 
 
