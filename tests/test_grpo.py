@@ -16,7 +16,7 @@ from jaxvla.learner import learner as learner_lib
 from jaxvla.learner import objectives
 from jaxvla.models import contract
 from jaxvla.models import policy as policy_lib
-from jaxvla.rollout import episodes as episodes_lib
+from jaxvla.rollout import groups as groups_lib
 from jaxvla.rollout import rollout as rollout_lib
 
 NUM_ENVS, GROUP_SIZE = 4, 2
@@ -53,7 +53,7 @@ def _result(env_ids, ended, episode_of, returns, group_size=GROUP_SIZE, faults=(
 def test_builder_gathers_groups_whose_members_finish_apart():
   """Group-mates finish at different chunks (and start their next episodes at once);
   each group is emitted once all its members are in, padded and normalised."""
-  builder = episodes_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=3)
+  builder = groups_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=3)
   ids = np.arange(NUM_ENVS)
   returns = {0: 1.0, 1: 0.0, 2: 3.0, 3: 1.0}
   plan = [[0], [1, 2], [0, 3]]  # Envs ending an episode at each chunk step.
@@ -97,7 +97,7 @@ def test_builder_gathers_groups_whose_members_finish_apart():
 
 def test_fault_truncated_episode_is_left_out_of_its_group():
   """A worker restart's lost episode: advantage 0, the group normalised without it."""
-  builder = episodes_lib.EpisodeBuilder(6, 3, max_chunks=2)
+  builder = groups_lib.EpisodeBuilder(6, 3, max_chunks=2)
   ids = np.arange(6)
   returns = {0: 1.0, 1: 0.0, 2: 0.0, 3: 0.0, 4: 1.0, 5: 0.5}
   _act(builder, ids, 0)
@@ -111,7 +111,7 @@ def test_fault_truncated_episode_is_left_out_of_its_group():
 
 
 def test_builder_errors():
-  builder = episodes_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=2)
+  builder = groups_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=2)
   ids = np.arange(NUM_ENVS)
   with pytest.raises(RuntimeError, match="env 0: a result arrived with no chunk"):
     builder.on_result(ids, _result(ids, [], {}, {}))
@@ -121,7 +121,7 @@ def test_builder_errors():
   with pytest.raises(RuntimeError, match="env 1: its episode ended but .* no EpisodeStats"):
     builder.on_result(ids, bad)
 
-  builder = episodes_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=2)
+  builder = groups_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=2)
   for step in range(2):
     _act(builder, ids, step)
     if step == 1:
@@ -130,7 +130,7 @@ def test_builder_errors():
     else:
       builder.on_result(ids, _result(ids, [], {}, {}))
 
-  builder = episodes_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=2)
+  builder = groups_lib.EpisodeBuilder(NUM_ENVS, GROUP_SIZE, max_chunks=2)
   _act(builder, ids, 0)
   with pytest.raises(ValueError, match="group_size"):  # Env built with G = 1.
     builder.on_result(ids, _result(ids, [3], {3: 0}, {3: 0.0}, group_size=1))
@@ -139,7 +139,7 @@ def test_builder_errors():
   with pytest.raises(RuntimeError, match="no bootstrap"):
     builder.final_obs(ids[:1])
   with pytest.raises(ValueError, match="env.group_size=3"):
-    episodes_lib.EpisodeBuilder(NUM_ENVS, 3, max_chunks=2)
+    groups_lib.EpisodeBuilder(NUM_ENVS, 3, max_chunks=2)
 
 
 # ------------------------------------------------------------ with the env --
@@ -163,8 +163,8 @@ def _collect():
   pol = policy_lib.make_policy(c.model, env.spec)
   params = pol.init(jax.random.PRNGKey(0))
   act = jax.jit(functools.partial(pol.act, mode="train"))
-  k = episodes_lib.max_chunks_per_episode(c.env.max_episode_steps, c.model.chunk_len)
-  builder = episodes_lib.EpisodeBuilder(c.num_envs, c.env.group_size, k,
+  k = groups_lib.max_chunks_per_episode(c.env.max_episode_steps, c.model.chunk_len)
+  builder = groups_lib.EpisodeBuilder(c.num_envs, c.env.group_size, k,
                                         scale=c.grpo.scale)
 
   def no_values(*_):
@@ -186,7 +186,7 @@ def _collect():
 def test_rollout_items_are_whole_groups():
   c, _, _, items, stats = _collect()
   assert len(items) >= 2
-  k = episodes_lib.max_chunks_per_episode(c.env.max_episode_steps, c.model.chunk_len)
+  k = groups_lib.max_chunks_per_episode(c.env.max_episode_steps, c.model.chunk_len)
   for it in items:
     eb = it.data
     assert eb.log_prob.shape == (k, GROUP_SIZE) and eb.mask.shape == (k, GROUP_SIZE)

@@ -11,7 +11,7 @@
 Every acted chunk and every result goes to a *builder*, which cuts them into
 queue items: :class:`jaxvla.rollout.segments.SegmentBuilder` (PPO segments with
 their GAE bootstrap values, and the values of the last observations of episodes
-truncated by the time limit) or :class:`jaxvla.rollout.episodes.EpisodeBuilder`
+truncated by the time limit) or :class:`jaxvla.rollout.groups.EpisodeBuilder`
 (GRPO groups of whole episodes).
 
 Parameters come from a ``params_fn() -> (params, version)`` (the weight

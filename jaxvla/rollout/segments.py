@@ -16,7 +16,7 @@ full-size value batch at almost every chunk while episodes end by time limit.
 
 It implements the builder interface :class:`jaxvla.rollout.rollout.Rollout`
 drives (``starts``, ``on_act``, ``on_result``, ``final_obs``, ``complete``,
-``pop_items``, ``in_flight``); :class:`jaxvla.rollout.episodes.EpisodeBuilder`
+``pop_items``, ``in_flight``); :class:`jaxvla.rollout.groups.EpisodeBuilder`
 is GRPO's.
 """
 

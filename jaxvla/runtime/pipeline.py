@@ -34,7 +34,7 @@ Units: a PPO *update* consumes ``num_envs`` env segments of ``rollout_len``
 chunks (what one lockstep rollout yields), as ``num_envs / micro_batch_segments``
 queue items. A GRPO update (``algorithm='grpo'``) consumes ``num_envs``
 whole episodes, one queue item per group of ``env.group_size`` episodes that
-started from the same init (:mod:`jaxvla.rollout.episodes`). The policy
+started from the same init (:mod:`jaxvla.rollout.groups`). The policy
 version is the number of updates; every chunk carries the version that acted,
 and the learner at version ``u`` trains on an item only if
 ``u - oldest chunk version <= max_staleness`` (see :mod:`jaxvla.runtime.queue`).
@@ -79,7 +79,7 @@ from jaxvla.envs import protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract
 from jaxvla.parallel import distributed
-from jaxvla.rollout import episodes as episodes_lib
+from jaxvla.rollout import groups as groups_lib
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.rollout import rollout as rollout_lib
 from jaxvla.rollout import segments as segments_lib
@@ -133,9 +133,9 @@ def make_builder(config: ml_collections.ConfigDict, spec: protocol.EnvSpec
   """
   if config.algorithm == "grpo":
     g = config.env.group_size
-    max_chunks = episodes_lib.max_chunks_per_episode(spec.max_episode_steps,
+    max_chunks = groups_lib.max_chunks_per_episode(spec.max_episode_steps,
                                                      config.model.chunk_len)
-    return (episodes_lib.EpisodeBuilder(config.num_envs, g, max_chunks,
+    return (groups_lib.EpisodeBuilder(config.num_envs, g, max_chunks,
                                         scale=config.grpo.scale), config.num_envs // g)
   m = config.pipeline.micro_batch_segments
   return (segments_lib.SegmentBuilder(config.num_envs, config.rollout_len, m),
