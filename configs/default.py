@@ -4,7 +4,7 @@ The fields and their defaults live in ``jaxvla/defaults.py``; this file picks a 
 
 Variants (``--config=configs/default.py:VARIANT``):
   (none)  the full default run (CPU, ~11 minutes; its final success depends on the seed,
-          docs/default_run.md has ten).
+          docs/results/default_run.md has ten).
   smoke   a tiny budget for tests and quick checks of the whole loop.
   bc_only the warm start alone (no RL), for the RL-gain comparison.
   bench   the pipeline benchmark's balanced setting: ColorReach with a slept long-tail

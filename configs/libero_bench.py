@@ -1,6 +1,6 @@
 """LIBERO env steps/s next to a policy: ``--config=configs/libero_bench.py[:MODEL[,TASK]]``.
 
-The config of the LIBERO throughput benchmark (docs/pipeline.md, "LIBERO next to a
+The config of the LIBERO throughput benchmark (docs/design/pipeline.md, "LIBERO next to a
 policy")::
 
   source launch/env.sh

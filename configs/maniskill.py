@@ -7,19 +7,19 @@ Variants:
           demonstrations (``jaxvla.data.collect``'s planner demonstrator), the policy is
           behaviour-cloned on them (state and actions z-scored with the dataset's
           statistics), then PPO on a residual head over the frozen SFT flow with the
-          shaped success reward for 2M env steps (docs/maniskill.md).
+          shaped success reward for 2M env steps (docs/results/maniskill.md).
           State observations: the CPU simulator renders a 64 px camera ~20x slower than
-          it steps (docs/envs.md), and the task's state (joint positions and velocities,
+          it steps (docs/design/envs.md), and the task's state (joint positions and velocities,
           TCP, cube and goal poses) holds what the camera would show.
   sft_rl_short  the same recipe shortened to about 5 minutes on 2 cores: PushCube-v1
           from 20 demonstrations, then 80k RL env steps at a 3x larger step.
   flow_rl, flow_rl_short  ``sft_rl`` / ``sft_rl_short`` with RL on the flow's own
           weights: piRL's flow-noise (``pirl_noise`` below), the whole-flow method
-          that matched the residual head's gain on PushCube (docs/maniskill.md).
+          that matched the residual head's gain on PushCube (docs/results/maniskill.md).
           ``flow_rl_short`` is the test suite's learning run (tests/test_learning.py).
 
 The RL method of ``sft_rl`` / ``sft_rl_short`` (``VARIANT,METHOD``, e.g.
-``sft_rl_short,pirl_sde``; docs/maniskill.md, "Methods"), every one from the same SFT:
+``sft_rl_short,pirl_sde``; docs/results/maniskill.md, "Methods"), every one from the same SFT:
   residual    a Gaussian residual head over the frozen flow (the default).
   latent      DSRL: a head that draws the frozen flow's initial noise.
   flow_sde    the whole flow through its 4-step SDE chain (every step stochastic,
@@ -107,7 +107,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.ppo.num_minibatches = 4  # 16 envs * 10 chunks = 160 chunks: 40 per minibatch.
     # RL trains a residual head (rl/steer_*) over the frozen SFT flow: 0.22 -> 0.80 by
     # 2M steps, where training the flow's 160-term SDE log-prob gained nothing in the
-    # 320k steps it was run at any step size (docs/maniskill.md). 'flow_sde', 'ode',
+    # 320k steps it was run at any step size (docs/results/maniskill.md). 'flow_sde', 'ode',
     # lr 1e-5, 2 epochs and 'sparse' give that earlier recipe back.
     c.model.train_sampler = "residual"
     c.model.eval_sampler = "residual_mean"
@@ -116,12 +116,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # KL ~0.01 per update; 1e-4 gave 0.06-0.08 with 45% of ratios clipped and lost success.
     c.ppo.learning_rate = 3e-5
     c.ppo.num_epochs = 4
-    # The recipe's figures (docs/maniskill.md) were measured with the chunk's joint ratio
+    # The recipe's figures (docs/results/maniskill.md) were measured with the chunk's joint ratio
     # and its step size tuned with it; 'per_term' (the default) is not measured here.
     c.ppo.ratio = "joint"
     # Success plus potential-based shaping by ManiSkill's normalised dense reward.
     c.env.reward_mode = "sparse_shaped"
-    # The gain comes late: 0.22 -> 0.38 by 635k env steps, 0.50 by 794k (docs/maniskill.md).
+    # The gain comes late: 0.22 -> 0.38 by 635k env steps, 0.50 by 794k (docs/results/maniskill.md).
     c.total_env_steps = 2_000_000
     c.eval.num_episodes = 100  # Fixed-seed evaluation episodes (disjoint from the demos').
     c.eval.env_workers = 2  # (building 100 ManiSkill3 envs takes ~100 s in one process)
@@ -132,7 +132,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.task = "PushCube-v1"  # Gains from the start; PickCube's first 300k steps are flat.
     c.bc.num_episodes = 20  # (100 give PushCube 0.98 SFT success: nothing left for RL)
     # 3x the recipe's step: from the same SFT policy, 80k env steps gain 0.23 at 1e-4 and
-    # 0.11 at 3e-5 (PickCube's 2M-step run needs the smaller one; docs/maniskill.md).
+    # 0.11 at 3e-5 (PickCube's 2M-step run needs the smaller one; docs/results/maniskill.md).
     c.ppo.learning_rate = 1e-4
     c.total_env_steps = 80_000
     c.eval.every_iters = 1000  # At the start and the end only.
@@ -156,7 +156,7 @@ def _set_method(c: ml_collections.ConfigDict, method: str) -> None:
   m.eval_sampler = "ode"
   if method == "flow_sde":
     m.train_sampler = "flow_sde"
-    ppo.learning_rate = 1e-5  # (KL 0.014 per update at 1e-5; docs/maniskill.md)
+    ppo.learning_rate = 1e-5  # (KL 0.014 per update at 1e-5; docs/results/maniskill.md)
     return
   # piRL's recipe (RLinf's maniskill_ppo_openpi*.yaml and openpi_action_model.py): the
   # executed dims' token-level ratios, a critic on detached features with a 20x larger

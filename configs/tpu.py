@@ -27,7 +27,7 @@ Memory: the weight broadcast gathers the float32 params to every learner chip
 (12.95 GB for pi0) before each host casts its rollout copy (6.48 GB in bfloat16) on
 its first chip, which with the current copy, the train state's share and the
 activations needs about 30 GB there: v5p (95 GB HBM) fits; v5e (16 GB) and v6e / v4
-(32 GB) do not (docs/multihost.md, "Toward 64+ hosts").
+(32 GB) do not (docs/guides/multihost.md, "Toward 64+ hosts").
 Everything not set here is ``configs/openpi.py``.
 """
 

@@ -102,7 +102,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.num_denoise_steps = 4  # Denoise steps K of the sampler.
   # Steered samplers: RL trains a small Gaussian head (rl/steer_*) and the value head over
   # the frozen flow: 'latent' (DSRL) draws its initial noise, 'residual' corrects its
-  # chunk (docs/policy.md, "Steered RL").
+  # chunk (docs/design/policy.md, "Steered RL").
   c.model.train_sampler = "flow_sde"  # RL sampler: 'flow_sde', 'flow_noise', 'latent', 'residual'.
   # 'latent_mean' / 'residual_mean' (with that train_sampler): the steering head's mean.
   c.model.eval_sampler = "ode"  # Evaluation: 'ode', 'latent_mean', 'residual_mean' or an RL one.
@@ -138,7 +138,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.bc.learning_rate = 1e-3  # Warm-start Adam learning rate.
   c.bc.lr_schedule = "constant"  # 'constant', or 'cosine' decay to 0.1x by bc.num_steps.
 
-  # Demonstrations on disk (RLDS / LeRobot; docs/data.md). Fields in jaxvla/data/config.py.
+  # Demonstrations on disk (RLDS / LeRobot; docs/guides/data.md). Fields in jaxvla/data/config.py.
   c.data = data_config.get_config()  # Demonstrations on disk ('' path: record the expert).
   # BC samples at chunk starts, where the policy acts (every chunk_len steps). Measured
   # with the tiny pi0, 3,000 episodes, 3,500 steps: 0.375 warm-start success against 0.03
@@ -166,7 +166,7 @@ def get_config() -> ml_collections.ConfigDict:
   # (importance weight, behaviour clip) per action dim of the chunk (H x A terms): on
   # fresh data the 'joint' ratio's PPO; full async at staleness 4 ended 0.026 below sync
   # over five ColorReach seeds, where 'joint' (one weight for the chunk's K x H x A
-  # transitions) lost 0.06-0.12 (docs/pipeline.md). 'per_term': ratio and clip per term
+  # transitions) lost 0.06-0.12 (docs/design/pipeline.md). 'per_term': ratio and clip per term
   # too (token-level PPO); 'mean': the geometric mean over the terms, GSPO-style.
   c.ppo.ratio = "per_term_correction"  # 'per_term_correction', 'joint', 'per_term' or 'mean'.
   c.ppo.value_coef = 0.5  # Weight of the value loss.
@@ -193,7 +193,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.ppo.is_clip_mode = "truncate"  # Decoupled, a weight over is_clip: 'truncate' or 'drop'.
   # Decoupled only: a chunk the policy has moved by more than this factor from the
   # behaviour, in its advantage's direction, gives no gradient (0: off). What keeps the
-  # streamed learner from running away on stale data (docs/pipeline.md, learning parity).
+  # streamed learner from running away on stale data (docs/design/pipeline.md, learning parity).
   c.ppo.behaviour_clip = 2.0  # Trust region around the behaviour (0 or > 1).
   # 'learner': recompute GAE from the learner's critic at the start of each update (one
   # more forward pass) instead of the values the (possibly stale) rollout recorded;

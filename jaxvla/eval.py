@@ -12,7 +12,7 @@ checkpoint (:mod:`jaxvla.storage.policy_io`); the env settings come from ``--con
 (default: the policy's own run config), the model from the policy's run config
 (an openpi checkpoint's from ``--config``, which must then be given).
 
-The protocol (each choice and where it comes from is in docs/evaluation.md):
+The protocol (each choice and where it comes from is in docs/guides/evaluation.md):
 
 * LIBERO: every task of ``--suite`` (or the ``--tasks`` listed), episode ``e`` of a
   task starting from the suite's fixed initial state ``e`` (openpi's

@@ -4,7 +4,7 @@
 [--identity_norm_stats] [--allow_norm_mode_mismatch] [--base_only]`` loads any policy
 :func:`jaxvla.storage.policy_io.load` reads and writes it with
 :func:`jaxvla.models.openpi_export.export_loaded`, which owns the layout and the flags'
-rules (docs/policy.md, "Export in openpi's layout"). Prints one JSON line.
+rules (docs/design/policy.md, "Export in openpi's layout"). Prints one JSON line.
 
 The command's own module, above both of its imports: the export itself lives in
 ``models/``, which imports nothing of :mod:`jaxvla.storage.policy_io` (policy_io builds its

@@ -1,6 +1,6 @@
 """Plots a run's learning curve from its ``metrics.jsonl``.
 
-``python -m jaxvla.plot_curve --workdir=DIR --out=docs/learning_curve.png``
+``python -m jaxvla.plot_curve --workdir=DIR --out=docs/results/learning_curve.png``
 draws evaluation success (and the warm-start level) and the recent training
 success against RL env steps. In a notebook, ``plot(load(workdir))`` returns the
 figure (shown inline) without writing a file.
@@ -17,7 +17,7 @@ from absl import app, flags
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding metrics.jsonl.",
                                required=True)
-_OUT = flags.DEFINE_string("out", "docs/learning_curve.png", "Output PNG path.")
+_OUT = flags.DEFINE_string("out", "docs/results/learning_curve.png", "Output PNG path.")
 _TITLE = flags.DEFINE_string("title", "jaxvla default run (ColorReach, tiny flow VLA, PPO)",
                              "Plot title.")
 

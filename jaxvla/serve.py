@@ -13,7 +13,7 @@ Ctrl-C or SIGTERM (a scheduler's stop), closing its connections first. Flags:
   shortcuts for those fields of ``--serve``;
 * ``--step``, ``--asset_id``: which checkpoint step / openpi norm stats to load.
 
-Parses flags only; docs/serving.md describes the protocol and the key maps.
+Parses flags only; docs/guides/serving.md describes the protocol and the key maps.
 """
 
 from __future__ import annotations

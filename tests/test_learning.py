@@ -30,13 +30,13 @@ def test_async_learning_matches_sync(tmp_path):
   (lockstep envs). Resuming checkpoint 0 starts RL exactly as the run that wrote it
   would have: same params, optimizer state, keys and env seeds. Sync must reach 0.6
   success; both must learn (+0.2 over the warm start) and async must end within 0.08
-  of sync's success. The bar of docs/pipeline.md (0.05) is on a five-seed mean; one
+  of sync's success. The bar of docs/design/pipeline.md (0.05) is on a five-seed mean; one
   pair of 256-episode evaluations has a binomial std of about 0.02 in its difference at
   these rates, so one pair is held to 0.08. With the per-term correction (the default)
   this pair ended 0.035 below sync; with the joint ratio 0.004 to 0.019, and 0.058 before
-  the behaviour clip (docs/pipeline.md "L1 and the test"). The async run must really be
+  the behaviour clip (docs/design/pipeline.md "L1 and the test"). The async run must really be
   off-policy at the bound: its mean staleness is checked. Staleness 4 is the hardest
-  setting the bar of docs/pipeline.md holds async to; its five-seed tables cover 1 and 2.
+  setting the bar of docs/design/pipeline.md holds async to; its five-seed tables cover 1 and 2.
   """
   from configs import default  # pylint: disable=import-outside-toplevel
   base = default.get_config("parity")
@@ -73,7 +73,7 @@ def test_sft_then_rl_raises_maniskill_success(tmp_path):
   The margin, 0.10: every evaluation of a run plays the same episodes with the same
   sampler noise (common random numbers), so a policy that RL left unchanged scores
   exactly its SFT success, and a different policy of the same quality scores within
-  about 0.05 (the std of one evaluation over sampler keys: 0.04, docs/maniskill.md
+  about 0.05 (the std of one evaluation over sampler keys: 0.04, docs/results/maniskill.md
   "The learning test"). This run gained 0.23 (0.43 -> 0.66), seeds 1 and 2 gained 0.29
   and 0.13. The run is deterministic on one machine (lockstep sync); the margin leaves
   room for another machine's floating point.

@@ -367,7 +367,7 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
 STEP_SCALES = ("none", "ess", "staleness")
 # "staleness": the mean staleness (versions behind the learner) up to which a step is
 # whole; staler steps shrink in proportion (full async learns as well as sync up to 2 at
-# the default step size, docs/pipeline.md "Learning parity").
+# the default step size, docs/design/pipeline.md "Learning parity").
 FULL_STEP_STALENESS = 2.0
 
 

@@ -5,7 +5,7 @@ episode seed, as ``jaxvla.evaluation.exported.evaluate_export`` does) in the env
 and counts each episode's outcome by the instruction it was given: ``success``,
 ``timeout`` (the time limit) or ``other`` (ended otherwise: ColorReach's wrong target).
 On ColorReach the instruction names the target's colour, so a policy that has not
-grounded a colour word shows as one row far below the others (docs/default_run.md).
+grounded a colour word shows as one row far below the others (docs/results/default_run.md).
 
 Prints a table and, last, one JSON line.
 """

@@ -1,7 +1,7 @@
 """The GPU session's prepared check: ``python -m jaxvla.bench.gpu_check --out=DIR``.
 
-One command that spends a short GPU window on the figures docs/pipeline.md and
-docs/policy.md need from full-size pi0 (``launch/gpu_check.sh`` wraps it with the
+One command that spends a short GPU window on the figures docs/design/pipeline.md and
+docs/design/policy.md need from full-size pi0 (``launch/gpu_check.sh`` wraps it with the
 offline set-up). It runs, in order, each step in its own process (so one step's device
 memory is free for the next) with a shared persistent compilation cache:
 
@@ -55,7 +55,7 @@ OFFLINE_PACKAGES = ("ml-collections",)
 MODES = ("sync_colocated", "+streamer")
 ACT_BATCHES = (1, 8, 32)
 PPO_BATCH = 32
-# Full pi0 as openpi sizes it (docs/pipeline.md's H100 rows): bf16 compute, remat, 224 px
+# Full pi0 as openpi sizes it (docs/design/pipeline.md's H100 rows): bf16 compute, remat, 224 px
 # images, PaliGemma's vocabulary, 32-dim padded state and actions; a bfloat16 rollout
 # copy; learner micro-batches of 32 chunks.
 FULL_PIPELINE = (

@@ -67,7 +67,7 @@ from jaxvla.parallel import distributed, sharding as sharding_lib  # noqa: E402
 FLAGS = flags.FLAGS
 # The pipeline benchmark's flags (defined by that import), with this benchmark's defaults:
 # 24 timed updates (about 2 minutes per count), since over 8 the slept long tail moved the
-# two-process speedup between 1.77 and 2.05 (docs/multihost.md).
+# two-process speedup between 1.77 and 2.05 (docs/guides/multihost.md).
 FLAGS.set_default("modes", ["+rollout_async"])
 FLAGS.set_default("updates", 24)
 
@@ -90,7 +90,7 @@ def _worker_env() -> dict[str, str]:
   """This process's environment for a worker: one CPU device per process, no
   persistent compilation cache (on the CPU backend, processes that load one
   program from the cache while another compiles it ran their collectives in
-  different orders: docs/multihost.md)."""
+  different orders: docs/guides/multihost.md)."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                               if not f.startswith("--xla_force_host_platform_device_count"))

@@ -13,7 +13,7 @@ episode) for the bytes, and TFDS's NumPy example parser (its own copy of the
 ``tf.Example`` proto) for the values. Images are kept encoded until a step's
 camera is asked for and then decoded by the TFDS feature itself. None of this
 imports TensorFlow; TFRecord datasets do need it, to convert them once (see
-docs/data.md).
+docs/guides/data.md).
 
 Writing (:func:`write_dataset`) uses TFDS's ``SequentialWriter`` with the
 ``array_record`` format, fed ``PIL`` images that TFDS encodes with PIL (TFDS only
@@ -121,7 +121,7 @@ class RldsReader:
     stored = info.file_format.value if info.file_format else "tfrecord"  # TFDS's default
     if stored != "array_record":
       raise DataError(f"{directory}: stored as {stored}, not array_record; convert it once "
-                      "with `python -m jaxvla.data.convert` (docs/data.md)")
+                      "with `python -m jaxvla.data.convert` (docs/guides/data.md)")
     self._dir = directory
     self._steps = _flat_features(info.features["steps"].feature)
     self.image_shapes = tuple(self._camera_shape(k) for k in features.cameras)

@@ -129,7 +129,7 @@ class ManiSkillCPU(instances.InstanceBatch):
       dense reward of the state reached (1 at success, 0 before the first step). An
       episode's shaping sums to ``phi`` of where it ended, so a success (1 + 1) always
       beats an episode that times out near the goal (< 1), and hovering earns nothing
-      (the plain dense reward pays up to 0.8 per step for it: docs/maniskill.md).
+      (the plain dense reward pays up to 0.8 per step for it: docs/results/maniskill.md).
     seed: episode seeds are ``seed + group + num_groups * episode number``
       (:meth:`episode_index`; with ``group_size`` 1 the group is the env index).
     group_size: GRPO group size G; envs ``i // G`` share every episode's seed.

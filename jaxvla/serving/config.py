@@ -7,7 +7,7 @@ override a field); ``configs/serve.py`` is the same config for composing your ow
 sends: openpi's ``libero``, ``droid`` or ``aloha`` example clients, or ``jaxvla``
 (the policy's own camera names). ``--obs_map=NAME`` on the command line picks
 one too. Each map says which request key feeds which of the policy's cameras and
-state entries; docs/serving.md lists the keys of every map and what they mean.
+state entries; docs/guides/serving.md lists the keys of every map and what they mean.
 
 The maps follow openpi's policy input transforms (``LiberoInputs``,
 ``DroidInputs``, ``AlohaInputs``): a camera the client does not send is a zero
