@@ -12,16 +12,20 @@ import sys
 import pytest
 
 from jaxvla.bench import gpu_check
+from tests import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.run_first(6)
+@pytest.mark.slow  # Five processes, a minute: the slow step, beside the learning runs.
 def test_dry_run_runs_every_step_and_writes_one_json(tmp_path):
   out = tmp_path / "out"
   r = subprocess.run(
       ["bash", os.path.join(ROOT, "launch", "gpu_check.sh"), "--dry_run", f"--out={out}",
        f"--profile_dir={tmp_path / 'profile'}", f"--cache_dir={tmp_path / 'cache'}"],
-      capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
+      capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+      env=conftest.fast_xla_env(dict(os.environ)))
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   report = json.loads((out / "gpu_check.json").read_text())
   assert report["ok"] and report["dry_run"] and report["device"]

@@ -20,7 +20,7 @@ from jaxvla.bench import parity
 pytestmark = pytest.mark.slow  # Minutes each: the third step of launch/test.sh.
 
 
-@pytest.mark.run_first(0)  # (started first: the notebook runs beside it)
+@pytest.mark.run_first(1)  # (second: conftest deals the ranks out over the workers)
 def test_async_learning_matches_sync(tmp_path):
   """Learning parity at the same env-step budget and the default step size.
 
@@ -63,7 +63,7 @@ def test_async_learning_matches_sync(tmp_path):
   assert r["staleness_mean"] > 3.5, r["staleness_mean"]  # (3.88 measured; bound 4)
 
 
-@pytest.mark.run_first(0)
+@pytest.mark.run_first(0)  # (the longest: first)
 def test_sft_then_rl_raises_maniskill_success(tmp_path):
   """ManiSkill3 PushCube-v1 (CPU simulator, state observations), one command's whole job:
   the motion planner's 20 demonstrations on disk, SFT on them, then 80k env steps of

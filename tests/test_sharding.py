@@ -14,6 +14,7 @@ from configs import default
 from jaxvla import config_checks
 from jaxvla.models import summary
 from jaxvla.parallel import sharding
+from tests import conftest
 
 RULES = default.get_config().mesh.rules
 
@@ -102,15 +103,16 @@ def test_config_mesh_checks():
     config_checks.validate_batch_shards(c, 4)
 
 
-@pytest.mark.run_first
+@pytest.mark.slow  # A minute of compiling: the slow step, beside the learning runs.
+@pytest.mark.run_first(5)
 @pytest.mark.timeout(900)
 def test_sharded_train_step_equals_unsharded():
   """tiny pi0 on 8 fake CPU devices, every mesh axis at once (data=2, fsdp=2,
   tensor=2: the batch split 4 ways, params over fsdp and tensor); one BC step and
   one PPO update match the unsharded learner."""
-  env = dict(os.environ)
+  env = conftest.fast_xla_env(dict(os.environ))
   # (launch/test.sh's compile-time flags, if set, and eight devices)
-  env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   env["JAX_PLATFORMS"] = "cpu"
   script = os.path.join(os.path.dirname(__file__), "sharding_check.py")
   out = subprocess.run([sys.executable, script, "2,2,2"], env=env,
