@@ -151,6 +151,13 @@ def _two_steps(tmp_path, trained):
   return pol, state, directory
 
 
+def _abstract_state(pol, config):
+  """The train state a run of ``config`` with policy ``pol`` restores into (abstract)."""
+  lrn = learner_lib.Learner(pol, config)
+  return jax.eval_shape(lambda: learner_lib.init_state(
+      pol.init(jax.random.PRNGKey(0)), lrn.ppo_tx, jax.random.PRNGKey(0)))
+
+
 def _truncate_arrays(step_dir):
   """Halves every array data file of a step (a write cut short)."""
   n = 0
@@ -193,9 +200,7 @@ def test_damaged_latest_checkpoint_falls_back_and_mismatch_names_the_path(tmp_pa
   smoke_config.model.variant = "small"
   env = builtin.make(smoke_config.env, 2, 0)
   small = policy_lib.make_policy(smoke_config.model, env.spec)
-  lrn = learner_lib.Learner(small, smoke_config)
-  abstract_small = jax.eval_shape(lambda: learner_lib.init_state(
-      small.init(jax.random.PRNGKey(0)), lrn.ppo_tx, jax.random.PRNGKey(0)))
+  abstract_small = _abstract_state(small, smoke_config)
   ckpt = checkpoint_lib.Checkpointer(directory, max_to_keep=3)
   with pytest.raises(checkpoint_lib.CheckpointError,
                      match=r"checkpoint 2 in .* does not fit this run's model: params/\S+ is "
@@ -210,9 +215,7 @@ def test_another_optimizer_is_named_not_taken_for_damage(tmp_path, smoke_config,
   first differing path and the settings, instead of every step reported damaged."""
   pol, _, directory = _two_steps(tmp_path, trained)
   smoke_config.ppo.value_learning_rate = 3e-4
-  lrn = learner_lib.Learner(pol, smoke_config)
-  abstract = jax.eval_shape(lambda: learner_lib.init_state(
-      pol.init(jax.random.PRNGKey(0)), lrn.ppo_tx, jax.random.PRNGKey(0)))
+  abstract = _abstract_state(pol, smoke_config)
   ckpt = checkpoint_lib.Checkpointer(directory, max_to_keep=3)
   with pytest.raises(checkpoint_lib.CheckpointError,
                      match=r"^checkpoint 2 in .* does not fit this run's optimizer: "
