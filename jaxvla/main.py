@@ -64,24 +64,24 @@ def main(argv):
     lost = distributed.lost_processes(e)
     if lost is None:
       raise
-    _exit_lost(lost, workdir, checkpoint)
+    _exit_lost(distributed.describe_processes(lost), workdir,
+               checkpoint.saved_steps(os.path.join(workdir, "checkpoints")))
   sys.stdout.write(json.dumps(summary) + "\n")
   sys.stdout.flush()
 
 
-def _exit_lost(lost: list[int], workdir: str, checkpoint) -> None:
+def _exit_lost(lost: str, workdir: str, saved: list[int]) -> None:
   """Ends a multi-process run that lost a process: one line naming it, the last finished
   checkpoint and the resume command, then exit status 1 at once. A normal exit would
   wait for the lost process in JAX's shutdown barrier until the heartbeat timeout and
-  then abort with a C++ trace."""
+  then abort with a C++ trace. ``lost``: who (``distributed.describe_processes``);
+  ``saved``: the workdir's finished checkpoint steps."""
   import jax  # pylint: disable=import-outside-toplevel
-  from jaxvla.parallel import distributed  # pylint: disable=import-outside-toplevel
-  saved = checkpoint.saved_steps(os.path.join(workdir, "checkpoints"))
   resume = [a for a in sys.argv[1:] if not a.startswith("--config.resume")]
   command = shlex.join(["python", "-m", "jaxvla.main", *resume, "--config.resume=True"])
   where = (f"the last finished checkpoint is {saved[-1]} in {workdir}/checkpoints"
            if saved else f"{workdir} holds no finished checkpoint")
-  sys.stderr.write(f"error: {distributed.describe_processes(lost)} was lost; the run stops "
+  sys.stderr.write(f"error: {lost} was lost; the run stops "
                    f"(this is process {jax.process_index()}); {where}; to resume, "
                    f"start every process again with: {command}\n")
   sys.stderr.flush()

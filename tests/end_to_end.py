@@ -33,10 +33,9 @@ def records(workdir: str) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
-def _overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-  """Seconds in which some interval of ``a`` and some interval of ``b`` both run (an
-  upper bound where a list's own intervals overlap; > 0 exactly when two do)."""
-  return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> bool:
+  """Whether some interval of ``a`` and some interval of ``b`` run at the same time."""
+  return any(min(e1, e2) > max(s1, s2) for s1, e1 in a for s2, e2 in b)
 
 
 def check_run(c, summary: dict, workdir: str) -> None:
@@ -60,9 +59,9 @@ def check_run(c, summary: dict, workdir: str) -> None:
   if p.mode == "async" and p.rollout_async:
     # First-ready: envs keep stepping while inference runs on the batch that is ready (a
     # fact of the timeline, not a speed: lockstep never overlaps the two).
-    assert _overlap_s(timeline["env"], timeline["inference"]) > 0
+    assert _overlap(timeline["env"], timeline["inference"])
   if p.mode == "async" and p.train_async:  # The rollout runs beside the learner.
-    assert _overlap_s(timeline["env"] + timeline["inference"], timeline["learner"]) > 0
+    assert _overlap(timeline["env"] + timeline["inference"], timeline["learner"])
   assert last["staleness_max"] <= p.max_staleness
   if p.mode == "sync_colocated":
     assert last["staleness_max"] == 0 and summary["dropped_env_steps"] == 0

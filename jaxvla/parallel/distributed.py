@@ -313,11 +313,11 @@ def _messages(error: BaseException) -> str:
 
 def _pid_alive(pid: int) -> bool:
   try:
-    os.kill(pid, 0)
+    os.kill(pid, 0)  # (signal 0: only checks; PermissionError means it exists)
   except ProcessLookupError:
     return False
   except PermissionError:
-    return True
+    pass
   return True
 
 
@@ -329,7 +329,8 @@ def lost_processes(error: BaseException) -> list[int] | None:
   the error names its address. When neither narrows it down, every other process is a
   candidate.
   """
-  if not multi_process() or not _PEER_LOST.search(_messages(error)):
+  text = _messages(error)
+  if not multi_process() or not _PEER_LOST.search(text):
     return None
   me = jax.process_index()
   others = [i for i in range(jax.process_count()) if i != me]
@@ -340,7 +341,7 @@ def lost_processes(error: BaseException) -> list[int] | None:
           if _PROCESSES[i].host == here and not _pid_alive(_PROCESSES[i].pid)]
   if dead:
     return dead
-  addresses = set(_IP.findall(_messages(error))) - {"127.0.0.1"}
+  addresses = set(_IP.findall(text)) - {"127.0.0.1"}
   named = [i for i in others if _PROCESSES[i].host != here and _PROCESSES[i].ip in addresses]
   return named or others
 

@@ -136,7 +136,7 @@ def make_builder(config: ml_collections.ConfigDict, spec: protocol.EnvSpec
     max_chunks = groups_lib.max_chunks_per_episode(spec.max_episode_steps,
                                                      config.model.chunk_len)
     return (groups_lib.EpisodeBuilder(config.num_envs, g, max_chunks,
-                                        scale=config.grpo.scale), config.num_envs // g)
+                                      scale=config.grpo.scale), config.num_envs // g)
   m = config.pipeline.micro_batch_segments
   return (segments_lib.SegmentBuilder(config.num_envs, config.rollout_len, m),
           config.num_envs // m)
