@@ -59,6 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.env_step_timeout_s = 120.0  # Seconds a worker may take for a chunk: warm-up and cap.
   c.env_hang_floor_s = 10.0  # Least seconds a chunk may take before it counts as a hang.
   c.resume = False  # Continue from the latest checkpoint in the workdir.
+  # Replay the run in this workdir from its schedule log (docs/design/reproducibility.md).
+  c.replay = ""
 
   c.env = ml_collections.ConfigDict()
   c.env.name = "builtin"  # Environment: 'builtin' (ColorReach).
@@ -217,6 +219,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline.min_bucket = 1  # L2: smallest padded inference batch (fewer act compiles).
   c.pipeline.rollout_dtype = ""  # Rollout's param copy: '' exact, 'bfloat16' (use a correction).
   c.pipeline.timeline = True  # Write workdir/timeline.json (stage intervals; plot with stages).
+  c.pipeline.schedule_log = True  # Write workdir/schedule/ (what timing decided: for replay).
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_iters = 10  # Evaluate every N RL iterations (and at the start and end).

@@ -49,6 +49,7 @@ from jaxvla.parallel import distributed
 from jaxvla.parallel import sharding as sharding_lib
 from jaxvla.runtime import ledger as ledger_lib
 from jaxvla.runtime import pipeline as pipeline_lib
+from jaxvla.runtime import schedule as schedule_lib
 from jaxvla.storage import checkpoint as checkpoint_lib
 from jaxvla.storage import policy_io
 from jaxvla.storage import workdir as workdir_lib
@@ -302,11 +303,13 @@ def _setup_keys(rng: jax.Array) -> jax.Array:
   return jax.random.split(rng, 4)
 
 
-def _initial_state(config, s: Setup, rng, written: dict | None = None
-                   ) -> tuple[learner_lib.TrainState, RunState]:
+def _initial_state(config, s: Setup, rng, written: dict | None = None,
+                   replay_at: int | None = None) -> tuple[learner_lib.TrainState, RunState]:
   """Restores the latest checkpoint (``config.resume``) or warm-starts a fresh policy.
 
   ``written``: the config the workdir's run wrote (its ``config.json``), if any.
+  ``replay_at``: a resumed replay restores the checkpoint of this iteration, where the
+  recorded session it replays started.
   """
   init_key, bc_key, ppo_key, eval_key = _setup_keys(rng)
   if config.resume:  # (a checkpoint exists, and none without it: checked by _train)
@@ -315,7 +318,12 @@ def _initial_state(config, s: Setup, rng, written: dict | None = None
     abstract = jax.eval_shape(lambda: learner_lib.init_state(
         s.policy.init(init_key), s.learner.ppo_tx, ppo_key))
     abstract = sharding_lib.with_shardings(abstract, s.learner.state_shardings(abstract))
-    step, state, meta = s.checkpointer.restore_latest(abstract, _changed_keys(config, written))
+    step, state, meta = s.checkpointer.restore_latest(abstract, _changed_keys(config, written),
+                                                      at_most=replay_at)
+    if replay_at is not None and step != replay_at:
+      raise ValueError(f"config.replay: the recorded session to replay next started at "
+                       f"iteration {replay_at}, but {s.checkpointer.manager.directory} holds "
+                       f"no checkpoint {replay_at} (the newest before it: {step})")
     run = RunState.from_meta(meta)
     s.normalizer = (None if run.normalizer is None
                     else norm_lib.Normalizer.from_json(run.normalizer, f"checkpoint {step}"))
@@ -358,6 +366,7 @@ def _save(s: Setup, run: RunState, state, pipe: pipeline_lib.Pipeline) -> None:
   run.ledger = dataclasses.asdict(pipe.ledger)
   if s.checkpointer.latest_step() != run.iteration:
     s.checkpointer.save(run.iteration, state, dataclasses.asdict(run))
+    pipe.note("save", iteration=run.iteration)
 
 
 @contextlib.contextmanager
@@ -378,6 +387,63 @@ def _stop_on_sigint(pipe: pipeline_lib.Pipeline):
     yield
   finally:
     signal.signal(signal.SIGINT, previous)
+
+
+def _check_replay(config: ml_collections.ConfigDict, workdir: str) -> int:
+  """What ``config.replay`` asks is possible; returns the recorded session's iteration.
+
+  Raises:
+    ValueError / FileNotFoundError: naming what stands in the way (several processes,
+      the replay's own workdir, a config that differs from the recorded one, no log).
+  """
+  if jax.process_count() > 1:
+    raise ValueError("config.replay: a multi-process run cannot be replayed (each process "
+                     "records its own schedule log, to read; replay follows one process)")
+  if os.path.abspath(config.replay) == os.path.abspath(workdir):
+    raise ValueError(f"config.replay={config.replay!r} is the --workdir: replay into "
+                     "another workdir (the recorded run's is read, never written)")
+  path = os.path.join(config.replay, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"config.replay: {path} is missing (not a run's workdir?)")
+  with open(path, encoding="utf-8") as f:
+    recorded = json.load(f)
+  diffs = schedule_lib.config_differences(recorded, json.loads(config.to_json_best_effort()))
+  if diffs:
+    raise ValueError(f"config.replay: a replay runs the recorded config ({path}), and this "
+                     f"one differs: {'; '.join(diffs)}")
+  return schedule_lib.replay_session(config.replay, workdir, config.resume)
+
+
+def _schedule(config, workdir: str, run: RunState, state, seed: int, replay_at: int | None
+              ) -> tuple[schedule_lib.Recorder | None, schedule_lib.Session | None]:
+  """The session's schedule log (``pipeline.schedule_log``) and the one it replays."""
+  replay = None
+  if replay_at is not None:
+    replay = schedule_lib.Session(schedule_lib.session_path(config.replay, replay_at))
+    header = replay.header
+    changed = schedule_lib.platform_differences(header.get("platform", {}),
+                                                schedule_lib.platform())
+    if changed:
+      raise ValueError(f"config.replay: {replay.path} was recorded on another platform "
+                       f"({'; '.join(changed)}); a replay repeats a run bit for bit only with "
+                       "the same JAX and XLA build, XLA_FLAGS and device kind")
+    if (header["version"], header["seed"]) != (int(state.step), seed):
+      raise schedule_lib.ReplayMismatch(
+          f"{replay.path}: the recorded session starts at policy version "
+          f"{header['version']} with env seed {header['seed']}, the replay at "
+          f"{int(state.step)} with {seed}")
+    log.info("replaying %s (%d updates, %d rollout steps%s)", replay.path,
+             len(replay.updates), len(replay.steps),
+             "" if replay.end else "; the recorded run was cut short after them")
+  recorder = None
+  if config.pipeline.schedule_log:
+    recorder = schedule_lib.Recorder(
+        schedule_lib.session_path(workdir, run.iteration, jax.process_index(),
+                                  jax.process_count()),
+        iteration=run.iteration, version=int(state.step), env_steps=run.env_steps,
+        seed=seed, mode=config.pipeline.mode, process=jax.process_index(),
+        num_processes=jax.process_count(), platform=schedule_lib.platform())
+  return recorder, replay
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -424,6 +490,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
     raise FileExistsError(
         f"the workdir already holds checkpoint {saved[-1]}; pass --config.resume=True to "
         "continue it or choose another --workdir")
+  replay_at = _check_replay(config, workdir) if config.replay else None
   os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, "config.json")
   written = None
@@ -445,19 +512,24 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
   # evaluations is the policy's change, not another draw of the noise.
   eval_key = _setup_keys(setup_key)[3]
   with _build(config, workdir) as s:
-    state, run = _initial_state(config, s, setup_key, written)
+    state, run = _initial_state(config, s, setup_key, written,
+                                replay_at if config.resume else None)
     if config.resume:
       write_config()
     if jax.process_count() > 1:  # Each process samples its own actions.
       rollout_key = jax.random.fold_in(rollout_key, jax.process_index())
     checkpointed = ledger_lib.Ledger.from_meta(run.ledger)
     ledger = checkpointed.resumed()  # (a fresh run's is empty: nothing to discard)
+    seed = distributed.host_seed(config.seed + run.iteration)
+    recorder, replay = _schedule(config, workdir, run, state, seed, replay_at)
+    if recorder is not None:
+      s.closing.callback(recorder.close)
     pipe = pipeline_lib.Pipeline(config, s.policy, s.learner,
                                  normalized.wrap(s.env, s.normalizer), s.act_train, s.value_fn,
                                  s.rollout_sharding,
-                                 jax.random.fold_in(rollout_key, run.iteration),
-                                 seed=distributed.host_seed(config.seed + run.iteration),
-                                 version=int(state.step), ledger=ledger)
+                                 jax.random.fold_in(rollout_key, run.iteration), seed=seed,
+                                 version=int(state.step), ledger=ledger, recorder=recorder,
+                                 replay=replay)
     resumed_at = run.env_steps
     discarded = {unit: checkpointed.in_flight(unit) for unit in ledger_lib.UNITS}
     progress = metrics_lib.Progress(config.total_env_steps, run.env_steps,
@@ -497,6 +569,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
           _save(s, run, state, pipe)
           log.warning("interrupted: saved checkpoint %d (policy version %d); rerun with "
                       "--config.resume=True to continue", run.iteration, int(state.step))
+        elif pipe.replay_ended:  # Where the recorded session ended; its save, if it made one.
+          if run.iteration in replay.saves:
+            _save(s, run, state, pipe)
+          log.warning("replay: the recorded session ends at iteration %d (%s); %s",
+                      run.iteration, replay.end or "its run was killed there",
+                      "replay its next session with --config.resume=True"
+                      if len(schedule_lib.sessions(config.replay)) > 1 else
+                      "it has no later session")
     ledger_report = pipe.settle()  # (a collective: every process gets here)
     pipeline_metrics = pipe.metrics()
     s.writer.write(run.env_steps, "pipeline", pipeline_metrics)

@@ -8,6 +8,7 @@ A leaf module: it imports nothing from jaxvla, so every stage of the data path
 * :class:`EpisodeBatch` ``[K, E]``: GRPO's whole episodes, padded to ``K`` chunks.
 * :class:`Item`: one queue entry (either of the two, with its chunks' versions).
 * :class:`Closed`: raised by the thread primitives (queue, pacer) once closed.
+* :class:`ReplayMismatch`: raised where a replay departs from its schedule log.
 
 Both payload types declare their *env axis* per field (:meth:`Trajectory.env_axes`),
 so that concatenating batches (:func:`concat`), stacking segments (:func:`stack`)
@@ -33,6 +34,11 @@ class Counts(NamedTuple):
   env_steps: int = 0
   chunks: int = 0
   segments: int = 0
+
+
+class ReplayMismatch(RuntimeError):
+  """A replay found the run other than its schedule log says (the message names the
+  first difference: the step, the env, the update)."""
 
 
 class Closed(Exception):
@@ -183,12 +189,15 @@ class Item:
     num_chunks: chunks in the item (padding excluded).
     num_env_steps: env steps the chunks executed.
     created: ``time.perf_counter()`` when it was made.
+    seq: its number in the order the rollout made items (from 0 in each session; the
+      schedule log names items by it), -1 before the rollout hands it on.
   """
   data: Any
   versions: np.ndarray
   num_chunks: int
   num_env_steps: int
   created: float = dataclasses.field(default_factory=time.perf_counter)
+  seq: int = -1
 
   @property
   def oldest_version(self) -> int:

@@ -23,9 +23,9 @@ def pytest_collection_modifyitems(config, items):
   short runs and stood idle. Dealt, each worker's share starts with its own long test
   (on 2 cores that step is CPU-bound, so it took about as long either way: 10.5 and
   10.8 minutes; with more cores the dealt order is the faster one). The slow step's
-  ranks 0..6 deal its seven tests so that each of two workers holds about half of the
-  work (ManiSkill3 learning run, notebook, install | parity run, fault injection,
-  sharded step, gpu_check dry run: about 713 | 690 s measured).
+  ranks 0..7 deal its eight tests so that each of two workers holds about half of the
+  work (ManiSkill3 learning run, notebook, install, gpu_check dry run | parity run,
+  fault injection, sharded step, replay).
   """
   items.sort(key=_rank)
   workers = getattr(config, "workerinput", {}).get("workercount", 1)

@@ -479,3 +479,47 @@ def test_group_size_must_divide_num_envs_and_env_fn_must_place_envs():
     envs_lib.make_vec_env(cfg, 6, 0, num_workers=2, step_timeout_s=30)  # Before any worker.
   with pytest.raises(ValueError, match=r"expects groups \[0, 1\]"):
     make_pool(num_envs=2, envs_per_worker=2, env_fn=FirstIdIgnoredFn())
+
+
+def _chunk_equal(a, b) -> None:
+  for field in ("reward", "terminated", "truncated", "success", "steps", "has_final_obs"):
+    np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+  np.testing.assert_array_equal(a.obs.images, b.obs.images)
+  np.testing.assert_array_equal(a.obs.state, b.obs.state)
+  assert list(a.obs.instruction) == list(b.obs.instruction)
+  assert a.episodes == b.episodes
+
+
+def test_a_replayed_restart_gives_what_the_recorded_fault_gave():
+  """A worker killed with its chunk in flight, and the same restart replayed after that
+  chunk had landed (a replay's timing): the envs' results, fresh episodes and counters
+  are the same, so the schedule log can replay faults exactly."""
+  cfg = dict(CFG, latency_ms=100.0, latency_sigma=0.0)  # A chunk takes about 0.4 s.
+  actions = random_actions(np.random.default_rng(1), 4)
+  restarts = []
+  with make_pool(cfg=cfg) as recorded:
+    recorded.set_restart_listener(lambda *r: restarts.append(r))
+    recorded.reset(seed=3)
+    recorded.send(actions, np.arange(4))
+    os.kill(recorded.pids[0], signal.SIGKILL)
+    _, want_a = recorded.recv_ids([2, 3])
+    _, want_b = recorded.recv_ids([0, 1])
+    recorded.send(actions, np.arange(4))
+    _, want_next = recorded.recv_ids(np.arange(4))
+  assert restarts == [(0, "died", [0, 1], [])], restarts
+  assert want_b.truncated.all() and not want_b.steps.any() and want_a.steps.all()
+  with make_pool(cfg=cfg) as replay:
+    replay.reset(seed=3)
+    replay.send(actions, np.arange(4))
+    time.sleep(1.5)
+    _, got_a = replay.recv_ids([2, 3])  # Every chunk has landed, envs 0 and 1's too:
+    with pytest.raises(pool_lib.ReplayMismatch, match="env 2 was in flight then, and is idle"):
+      replay.replay_restart(1, "died", [2, 3], [])
+    replay.replay_restart(0, "died", [0, 1], [])  # ... so the replay undoes them.
+    _, got_b = replay.recv_ids([0, 1])
+    _chunk_equal(got_a, want_a)
+    _chunk_equal(got_b, want_b)
+    replay.send(actions, np.arange(4))
+    _, got_next = replay.recv_ids(np.arange(4))
+    _chunk_equal(got_next, want_next)
+    assert replay.stats.restarts == 1

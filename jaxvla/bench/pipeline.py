@@ -41,6 +41,8 @@ import gc
 import json
 import os
 import platform
+import shutil
+import tempfile
 import time
 
 import jax
@@ -60,6 +62,7 @@ from jaxvla.parallel import sharding as sharding_lib
 from jaxvla.rollout import rollout as rollout_lib
 from jaxvla.rollout import segments as segments_lib
 from jaxvla.runtime import pipeline as pipeline_lib
+from jaxvla.runtime import schedule as schedule_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/default.py:bench", "Config file (optionally ':variant').",
@@ -151,9 +154,14 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: Parts) -> dict:
   rng = jax.random.PRNGKey(2)
   if distributed.multi_process():  # Each process samples its own actions (as train does).
     rng = jax.random.fold_in(rng, jax.process_index())
+  recorder = None
+  if c.pipeline.schedule_log:  # As a run writes it (into a scratch folder), to price it.
+    log_dir = tempfile.mkdtemp(prefix="jaxvla_bench_schedule_")
+    recorder = schedule_lib.Recorder(schedule_lib.session_path(log_dir, 0), iteration=0,
+                                     version=0, env_steps=0, seed=seed, mode=c.pipeline.mode)
   pipe = pipeline_lib.Pipeline(c, parts.policy, learner, env, parts.act, parts.value,
                                sharding_lib.rollout_sharding(jax.local_devices()), rng,
-                               seed=seed)
+                               seed=seed, recorder=recorder)
   marks, trained = [], [0]
 
   def on_update(info):
@@ -183,6 +191,11 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: Parts) -> dict:
     if tracing[0]:
       jax.profiler.stop_trace()
     env.close()
+    log_bytes = 0
+    if recorder is not None:
+      recorder.close()
+      log_bytes = os.path.getsize(recorder.path)
+      shutil.rmtree(os.path.dirname(os.path.dirname(recorder.path)))
     del state  # The next mode allocates its own train state (a full model's is ~36 GiB).
     gc.collect()
   # (a multi-process stop is agreed one update after it is asked for: marks can run on)
@@ -203,6 +216,9 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: Parts) -> dict:
              staleness_mean=stats.get("staleness_mean", 0.0),
              dropped_env_steps=int(stats["queue_dropped_env_steps"]),
              env_workers_busy=workers,  # None without an env pool (env_workers=0).
+             # The schedule log's size (config.pipeline.schedule_log; 0 when off).
+             schedule_log_bytes_per_million_env_steps=(
+                 log_bytes / max(pipe.totals()["rollout_env_steps"], 1) * 1e6),
              **{k: v for k, v in window.items() if k.endswith("_busy")})
   if profile_dir:
     row["profile"] = trace_summary.summarize(trace_summary.load(profile_dir))

@@ -64,6 +64,10 @@ class NormalizedAsyncEnv(NormalizedEnv):
     env_ids, result = self.env.recv(b_max, t_max_s)
     return env_ids, self._result(result)
 
+  def recv_ids(self, env_ids: np.ndarray) -> tuple[np.ndarray, protocol.ChunkStep]:
+    env_ids, result = self.env.recv_ids(env_ids)
+    return env_ids, self._result(result)
+
 
 def wrap(env: protocol.VecEnv, transform: Transform | None) -> protocol.VecEnv:
   """``env`` seen through ``transform`` (``env`` itself when ``transform`` is None)."""

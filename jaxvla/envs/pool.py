@@ -55,15 +55,15 @@ import time
 import weakref
 from multiprocessing import connection
 from multiprocessing import shared_memory
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import ml_collections
 import numpy as np
 
 from jaxvla.envs import protocol, registry, worker
+from jaxvla.types import ReplayMismatch
 
-__all__ = ["ConfigEnvFn", "EnvFn", "EnvPool", "EnvState", "PoolStats", "config_env_fn",
-           "env_seed"]
+__all__ = ["ConfigEnvFn", "EnvFn", "EnvPool", "EnvState", "PoolStats", "RestartListener", "config_env_fn", "env_seed"]
 
 EnvFn = worker.EnvFn
 env_seed = worker.env_seed  # Part of the pool's API: the seeds its envs are built with.
@@ -130,6 +130,10 @@ class EnvState(enum.Enum):
 
 class _WorkerLost(Exception):
   """A worker died or timed out (internal; turned into a restart)."""
+
+
+# (worker index, why: 'died' | 'hung' | 'failed', env ids in flight, env ids ready)
+RestartListener = Callable[[int, str, list[int], list[int]], None]
 
 
 # ---------------------------------------------------------------- processes --
@@ -236,6 +240,9 @@ class _Ready:
   """One env's outcome, waiting in the parent to be returned by ``recv``."""
   ready_at: float  # time.monotonic() at which the worker finished (or the fault was seen).
   outcome: worker.EnvOutcome
+  # The env's episode counters before this outcome was recorded ``(episode, return,
+  # length)``: a replay that must lose this chunk, as the recorded run did, restores them.
+  before: tuple[int, float, int] | None = None
 
 
 class _EnvBook:
@@ -287,7 +294,9 @@ class _EnvBook:
   def record(self, env_id: int, outcome: worker.EnvOutcome, instruction: str,
              ready_at: float) -> None:
     """Stores a worker's result for ``env_id`` and advances its episode counters."""
-    self.ready[env_id] = _Ready(ready_at=ready_at, outcome=outcome)
+    before = (int(self.episode[env_id]), float(self._ep_return[env_id]),
+              int(self._ep_length[env_id]))
+    self.ready[env_id] = _Ready(ready_at=ready_at, outcome=outcome, before=before)
     self.state[env_id] = EnvState.READY
     self.instruction[env_id] = instruction
     if outcome.terminated or outcome.truncated:  # The env auto-reset into its next episode.
@@ -296,6 +305,15 @@ class _EnvBook:
     else:
       self._ep_return[env_id] += outcome.reward
       self._ep_length[env_id] += outcome.steps
+
+  def unrecord(self, env_id: int) -> None:
+    """Puts ``env_id``'s received result back in flight, its episode counters as
+    before it (a replay's restart that must lose this chunk, as the recorded run did)."""
+    r = self.ready.pop(env_id)
+    if r.before is None:
+      raise ValueError(f"env {env_id}'s result is a fault, not a chunk that can be undone")
+    self.episode[env_id], self._ep_return[env_id], self._ep_length[env_id] = r.before
+    self.state[env_id] = EnvState.IN_FLIGHT
 
   def worker_restarted(self, env_ids: range, groups: np.ndarray, now: float) -> int:
     """Turns each env's next result into a fault after its worker restarted.
@@ -450,6 +468,8 @@ class EnvPool:
     self._book = _EnvBook(num_envs)
     self._reset_seed: int | None = None  # None until reset(): send() is refused.
     self._closed = False
+    # Told of every restart, before it (a run's schedule log: see set_restart_listener).
+    self._restart_listener: RestartListener | None = None
     self._start_workers()
 
   # -------------------------------------------------------------- lifecycle --
@@ -545,8 +565,49 @@ class EnvPool:
     return min(self._step_timeout_s,
                max(self._hang_floor_s, HANG_FACTOR * self.stats.slowest_chunk_s))
 
-  def _restart(self, w: _Worker, *, died: bool = False, hung: bool = False) -> None:
+  def set_restart_listener(self, listener: RestartListener | None) -> None:
+    """Calls ``listener(worker, why, in_flight, ready)`` at every worker restart, before
+    it: the worker's index, ``'died'``, ``'hung'`` or ``'failed'``, and its env ids whose
+    chunk the restart loses (in flight) or whose result had arrived (ready).
+    What a schedule log records to replay the restart (:meth:`replay_restart`)."""
+    self._restart_listener = listener
+
+  def replay_restart(self, worker_index: int, why: str, in_flight: list[int],
+                     ready: list[int]) -> None:
+    """Restarts worker ``worker_index`` as a recorded run's restart did.
+
+    The results of ``ready`` are waited for; results of ``in_flight`` that arrived
+    since are undone (the recorded run lost those chunks); then the worker restarts,
+    so each env's next result is the fault the recorded run got.
+
+    Raises:
+      ReplayMismatch: an env of the worker stands where the recorded run's did not
+        (say, idle here and in flight there).
+    """
+    w = self._workers[worker_index]
+    lost, kept = set(map(int, in_flight)), set(map(int, ready))
+    for i in w.env_ids:
+      state = self._book.state[i]
+      if (i in lost or i in kept) != (state in (EnvState.IN_FLIGHT, EnvState.READY)):
+        raise ReplayMismatch(
+            f"worker {worker_index}'s recorded restart: env {i} was "
+            f"{'in flight' if i in lost else 'ready' if i in kept else 'idle'} then, "
+            f"and is {state.value} in the replay")
+    while any(self._book.state[i] is EnvState.IN_FLIGHT for i in kept):
+      self._poll(None)
+    for i in sorted(lost):
+      if self._book.state[i] is EnvState.READY:
+        self._book.unrecord(i)
+    self._restart(w, died=why == "died", hung=why == "hung", replayed=True)
+
+  def _restart(self, w: _Worker, *, died: bool = False, hung: bool = False,
+               replayed: bool = False) -> None:
     """Kills ``w``, starts a fresh one and turns each of its envs' next result into a fault."""
+    if self._restart_listener is not None and not replayed:
+      why = "died" if died else "hung" if hung else "failed"
+      states = [(i, self._book.state[i]) for i in w.env_ids]
+      self._restart_listener(w.index, why, [i for i, s in states if s is EnvState.IN_FLIGHT],
+                             [i for i, s in states if s is EnvState.READY])
     self.stats.restarts += 1
     self.stats.died += int(died)
     self.stats.hung += int(hung)
@@ -714,6 +775,25 @@ class EnvPool:
         break
       self._poll(wait_s)
     ids = self._book.earliest_ready(b_max)
+    obs = protocol.Observation(self._images[ids], self._state[ids], self._book.instruction[ids])
+    return np.array(ids, np.int64), _chunk_step(obs, self._book.take(ids), self.spec)
+
+  def recv_ids(self, env_ids: np.ndarray) -> tuple[np.ndarray, protocol.ChunkStep]:
+    """``(env_ids, ChunkStep)`` of exactly ``env_ids`` ``[b]``, in that order, once each
+    has finished its chunk: a replay's ``recv`` (the batch a recorded run received).
+
+    Raises:
+      ReplayMismatch: one of ``env_ids`` has no chunk in flight or ready.
+    """
+    self._check_open()
+    ids = [int(i) for i in env_ids]
+    idle = [i for i in ids if self._book.state[i] not in (EnvState.IN_FLIGHT, EnvState.READY)]
+    if idle:
+      raise ReplayMismatch(f"env ids {idle} were received by the recorded run, but have no "
+                           "chunk in flight here")
+    self._poll(0.0)
+    while any(self._book.state[i] is not EnvState.READY for i in ids):
+      self._poll(None)
     obs = protocol.Observation(self._images[ids], self._state[ids], self._book.instruction[ids])
     return np.array(ids, np.int64), _chunk_step(obs, self._book.take(ids), self.spec)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 from typing import Callable
 
 import jax
@@ -26,24 +27,31 @@ from jaxvla.models import contract
 
 
 class EpisodeTracker:
-  """Keeps the most recent finished episodes for success-rate reporting."""
+  """Keeps the most recent finished episodes for success-rate reporting.
+
+  Thread-safe: the rollout thread adds while the learner's thread summarises.
+  """
 
   def __init__(self, window: int = 256):
     self.recent: collections.deque[protocol.EpisodeStats] = collections.deque(maxlen=window)
     self.total = 0
+    self._lock = threading.Lock()
 
   def add(self, episodes: list[protocol.EpisodeStats]) -> None:
-    self.recent.extend(episodes)
-    self.total += len(episodes)
+    with self._lock:
+      self.recent.extend(episodes)
+      self.total += len(episodes)
 
   def summary(self) -> dict[str, float]:
-    if not self.recent:
+    with self._lock:
+      recent, total = list(self.recent), self.total
+    if not recent:
       return {}
     return dict(
-        success_rate=float(np.mean([e.success for e in self.recent])),
-        episode_return=float(np.mean([e.episode_return for e in self.recent])),
-        episode_length=float(np.mean([e.length for e in self.recent])),
-        episodes=float(self.total))
+        success_rate=float(np.mean([e.success for e in recent])),
+        episode_return=float(np.mean([e.episode_return for e in recent])),
+        episode_length=float(np.mean([e.length for e in recent])),
+        episodes=float(total))
 
 
 # The keys of evaluate()'s result.

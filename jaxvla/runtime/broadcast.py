@@ -14,7 +14,9 @@ host's learner devices): every process's learner calls it after every update,
 and each process's rollout receives a copy on its own rollout devices.
 
 Publishing faster than copies land keeps only the newest pending version (an
-older one still in flight is superseded, counted in ``skipped_versions``).
+older one still in flight is superseded, counted in ``skipped_versions``). A replay
+(``keep_versions``) instead lands every version and keeps those the rollout may still
+ask for by number (:meth:`ParamServer.at`): the ones its schedule log says it acted with.
 
 ``cast`` (``config.pipeline.rollout_dtype``) makes the rollout's copy a
 lower-precision one: floating leaves are cast on the learner devices (a jitted
@@ -26,6 +28,7 @@ correction (``ppo.correction``), as rollout engines in bf16 are used in practice
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Any, Callable
@@ -53,11 +56,13 @@ class ParamServer:
       differ and the params are sharded).
     cast: dtype name of the rollout's floating leaves ('' or None: the
       learner's dtypes, an exact copy).
+    keep_versions: land every published version (none is skipped) and keep each
+      until :meth:`at` asks for a newer one (a replay).
   """
 
   def __init__(self, rollout_shardings: Any, learner_mesh: jax.sharding.Mesh | None = None,
                on_ready: Callable[[int, float, float], None] | None = None,
-               gather: bool = False, cast: str | None = None):
+               gather: bool = False, cast: str | None = None, keep_versions: bool = False):
     self.rollout_shardings = rollout_shardings
     self.learner_mesh = learner_mesh
     self.gather = gather and learner_mesh is not None
@@ -75,7 +80,9 @@ class ParamServer:
       self._cast = jax.jit(cast_params)
     self._cond = threading.Condition()
     self._current: tuple[Any, int] | None = None
-    self._pending: tuple[Any, int, float] | None = None
+    self._pending: collections.deque[tuple[Any, int, float]] = collections.deque()
+    self.keep_versions = keep_versions
+    self._kept: dict[int, Any] = {}  # keep_versions: landed versions at() may still return.
     self._closed = False
     self.error: BaseException | None = None
     self.published = 0
@@ -105,9 +112,10 @@ class ParamServer:
     with jax.profiler.TraceAnnotation(timing.TRACE_PREFIX + "broadcast_dispatch"):
       copied = self._copy(params)
     with self._cond:
-      if self._pending is not None:
-        self.skipped_versions += 1
-      self._pending = (copied, version, t0)
+      if not self.keep_versions:
+        self.skipped_versions += len(self._pending)
+        self._pending.clear()
+      self._pending.append((copied, version, t0))
       self.published += 1
       self._cond.notify_all()
       if wait:
@@ -119,16 +127,17 @@ class ParamServer:
     try:
       while True:
         with self._cond:
-          self._cond.wait_for(lambda: self._closed or self._pending is not None)
-          if self._pending is None:
+          self._cond.wait_for(lambda: self._closed or self._pending)
+          if not self._pending:
             return
-          copied, version, t0 = self._pending
-          self._pending = None
+          copied, version, t0 = self._pending.popleft()
         with jax.profiler.TraceAnnotation(timing.TRACE_PREFIX + "broadcast_wait"):
           jax.block_until_ready(copied)
         t1 = time.perf_counter()
         with self._cond:
           self._current = (copied, version)
+          if self.keep_versions:
+            self._kept[version] = copied
           self._cond.notify_all()
         if self.on_ready is not None:
           self.on_ready(version, t0, t1)
@@ -151,6 +160,29 @@ class ParamServer:
         raise RuntimeError("param server closed before any params were published")
       return self._current
 
+  def at(self, version: int) -> tuple[Any, int]:
+    """``(params, version)`` of exactly ``version`` once it has landed (``keep_versions``);
+    older versions are released (the rollout's versions never go back).
+
+    Raises:
+      RuntimeError: without ``keep_versions``, when ``version`` was released or the
+        server closed first.
+    """
+    if not self.keep_versions:
+      raise RuntimeError("ParamServer.at() needs keep_versions=True")
+    with self._cond:
+      self._cond.wait_for(lambda: version in self._kept or self._closed
+                          or self.error is not None
+                          or (self._current is not None and self._current[1] > version
+                              and version not in self._kept))
+      self._raise_if_failed()
+      if version not in self._kept:
+        raise RuntimeError(f"params version {version} is not held (the rollout asked for it "
+                           f"after a newer one, or the server closed)")
+      for v in [v for v in self._kept if v < version]:
+        del self._kept[v]
+      return self._kept[version], version
+
   def version(self) -> int:
     with self._cond:
       return -1 if self._current is None else self._current[1]
@@ -162,4 +194,6 @@ class ParamServer:
       self._cond.notify_all()
     self._thread.join()
     with self._cond:
-      self._current = self._pending = None
+      self._current = None
+      self._pending.clear()
+      self._kept.clear()

@@ -49,6 +49,15 @@ stale), discarded by a resume or still in flight; :class:`jaxvla.runtime.ledger.
 keeps the totals (summed over processes at each update), and
 :meth:`Pipeline.settle` checks them at the end against what is really in flight.
 
+Schedule log and replay (:mod:`jaxvla.runtime.schedule`): with a ``recorder`` the
+rollout writes what timing decided at each step and the learner what each update
+took and dropped, with its metrics. With a ``replay`` the pipeline follows a
+recorded session: the rollout as :class:`jaxvla.rollout.rollout.Rollout` describes,
+the broadcast keeping every version the log says the rollout acted with, no pacer
+(the log says which envs started when), and each update checked against its record
+(items, drops, metrics: the first difference raises ``ReplayMismatch``). It stops
+after the last recorded update.
+
 Errors: an exception in the rollout or broadcaster thread stops the run and is
 re-raised in the caller with its traceback; KeyboardInterrupt stops the threads
 and propagates (``train.py`` saves a checkpoint). Nothing is left running.
@@ -86,6 +95,8 @@ from jaxvla.rollout import segments as segments_lib
 from jaxvla.runtime import broadcast as broadcast_lib
 from jaxvla.runtime import ledger as ledger_lib
 from jaxvla.runtime import queue as queue_lib
+from jaxvla.runtime import schedule as schedule_lib
+from jaxvla.types import ReplayMismatch
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +223,8 @@ class _ThreadFeed:
       while not self._stop.is_set():
         self.rollout.step()
         _hand_on(self.rollout, self.queue, self.refused)
-    except types.Closed:
-      pass
+    except types.Closed:  # The queue closed, or a replay's log has no more steps.
+      self.queue.close()  # (the learner takes what is queued, then stops)
     except BaseException as e:  # Re-raised by the learner (with this traceback).
       self.error = e
       self.queue.close()
@@ -246,13 +257,19 @@ class Pipeline:
     version: the policy version it starts at (a resumed run's; pacing counts from it).
     ledger: the run's history so far (a resumed run's, with the checkpoint's in-flight
       data already discarded: :meth:`Ledger.resumed`).
+    recorder: where the schedule log goes (:class:`schedule.Recorder`), or None.
+    replay: the recorded session to follow (:class:`schedule.Session`), or None.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, policy: contract.Policy,
                learner: learner_lib.Learner, env: protocol.VecEnv, act_fn: Callable,
                value_fn: Callable, rollout_shardings: Any, rng: jax.Array, seed: int,
-               version: int = 0, ledger: ledger_lib.Ledger | None = None):
+               version: int = 0, ledger: ledger_lib.Ledger | None = None,
+               recorder: schedule_lib.Recorder | None = None,
+               replay: schedule_lib.Session | None = None):
     p = config.pipeline
+    self.recorder, self.replay = recorder, replay
+    self.replay_ended = False  # The replay reached the end of its log.
     self.config, self.learner, self.env = config, learner, env
     self.levels = Levels.from_config(p)
     self.mode_name = self.levels.name(p.mode)
@@ -261,7 +278,7 @@ class Pipeline:
     self.queue = queue_lib.TrajectoryQueue(
         p.queue_items if self.levels.train_async else 1 << 30, p.max_staleness)
     self.pacer = None
-    if p.staleness_control == "pace" and self.levels.train_async:
+    if p.staleness_control == "pace" and self.levels.train_async and replay is None:
       # PPO: env segments per update; GRPO: one episode per env per update.
       # A resumed run (at policy ``version``) has consumed ``version`` updates' segments:
       # the staleness bound counts from there, as in an uninterrupted run.
@@ -271,17 +288,21 @@ class Pipeline:
     if self.levels.separate_params:
       self.server = broadcast_lib.ParamServer(
           rollout_shardings, learner.mesh, on_ready=self._on_broadcast,
-          gather=learner.mesh.size > 1, cast=p.rollout_dtype or None)
-      params_fn = self.server.latest
+          gather=learner.mesh.size > 1, cast=p.rollout_dtype or None,
+          keep_versions=replay is not None)
+      params_fn, self._server_at = self.server.latest, self.server.at
+      params_at = self._replayed_params
     else:
-      params_fn = lambda: self._colocated
+      params_fn, params_at = (lambda: self._colocated), self._colocated_at
     builder, self.items_per_update = make_builder(config, env.spec)
     first_ready = None
     if self.levels.rollout_async:
       first_ready = (p.b_max or max(1, config.num_envs // 2), p.t_max_ms / 1000.0)
     self.rollout = rollout_lib.Rollout(env, policy, act_fn, value_fn, params_fn, builder, rng,
                                        seed, clock=self.clock, pacer=self.pacer,
-                                       first_ready=first_ready, min_bucket=p.min_bucket)
+                                       first_ready=first_ready, min_bucket=p.min_bucket,
+                                       recorder=recorder, replay=replay,
+                                       params_at=params_at if replay is not None else None)
     feed = _ThreadFeed if self.levels.train_async else _InlineFeed
     self.feed = feed(self.rollout, self.queue)
     self.interrupted = False
@@ -293,6 +314,12 @@ class Pipeline:
     # This process's counts already entered in the ledger.
     self._seen = dict(produced=types.Counts(), dropped=types.Counts())
     self._taken: list[types.Item] = []  # Items of the update in progress (not yet trained).
+    self._dropped: list[int] = []  # ... and those it dropped as too stale (Item.seq).
+    # Replaying: the update's record, the newest version the learner published and the
+    # version the rollout waits for (None: not waiting), for the deadlock check.
+    self._want_update: dict | None = None
+    self._published = version
+    self._rollout_waits_for: int | None = None
     # The pool's worker-busy seconds at each update (for windowed fractions).
     self._workers = (timing.Marks(env.num_workers)
                      if isinstance(env, protocol.AsyncVecEnv) else None)
@@ -306,6 +333,7 @@ class Pipeline:
 
   def _publish(self, state: learner_lib.TrainState, wait: bool) -> None:
     """Makes ``state``'s params the rollout's (a broadcast unless colocated)."""
+    self._published = int(state.step)
     if self.server is not None:
       self.server.publish(state.params, int(state.step), wait=wait)
     elif self.multi_process:  # The learner's arrays span hosts: act on this host's replica.
@@ -314,13 +342,39 @@ class Pipeline:
     else:
       self._colocated = (state.params, int(state.step))
 
+  def _replayed_params(self, version: int) -> tuple[Any, int]:
+    """Replaying: the broadcast's copy of the recorded ``version`` (waited for).
+
+    Raises:
+      ReplayMismatch: without a rollout thread, a version the learner has not made
+        (the learner's thread would wait for itself).
+    """
+    if not self.levels.train_async and version > self._published:
+      raise ReplayMismatch(f"rollout step {self.rollout.num_steps}: the log acts with version "
+                           f"{version}, the learner is at {self._published}")
+    self._rollout_waits_for = version
+    try:
+      return self._server_at(version)
+    finally:
+      self._rollout_waits_for = None
+
+  def _colocated_at(self, version: int) -> tuple[Any, int]:
+    """Replaying ``sync_colocated``: the learner's params, which must be ``version``."""
+    params, current = self._colocated
+    if current != version:
+      raise ReplayMismatch(f"the rollout acts with version {current}, the log with {version}")
+    return params, current
+
   # ------------------------------------------------------------------- feed --
   def request_stop(self) -> None:
-    """Stops the run before the next update (Ctrl-C); :meth:`run` returns its state.
+    """Stops the run before the next update (Ctrl-C); :meth:`updates` returns after
+    yielding the last finished one.
 
-    Multi-process: only noted here; every process stops after the current update.
+    Multi-process, or with the streamed learner (whose update applies an optimizer step
+    per minibatch as its items arrive, so a half-done update has already replaced the
+    state): only noted here; the run stops after the current update.
     """
-    if self.multi_process:
+    if self.multi_process or self.levels.streamer:
       self._stop_requested = True
       return
     self.interrupted = True
@@ -333,15 +387,61 @@ class Pipeline:
     if self.interrupted:
       raise _Interrupted()
     try:
-      item, _ = self.feed.get(version)
+      item, _ = self._get(version)
       self._taken.append(item)
+      self._dropped += self.queue.take_dropped()
+      if self._want_update is not None:
+        self._check_take(version, item)
     except types.Closed:
       self._raise_thread_error()
       if self.interrupted:
         raise _Interrupted() from None
+      if self.replay is not None:
+        raise ReplayMismatch(f"update {version}: the learner needs more data than the "
+                             f"recorded rollout made ({len(self.replay.steps)} steps in "
+                             f"{self.replay.path})") from None
       raise
     self.staleness.add(version - item.versions.reshape(-1))
     return item
+
+  def _get(self, version: int) -> tuple[types.Item, int]:
+    """The feed's next item; replaying with a rollout thread, a deadlock with it (each
+    waiting for the other: the replay has departed from its log) raises."""
+    if self.replay is None or not self.levels.train_async:
+      return self.feed.get(version)
+    while True:
+      try:
+        return self.queue.get(version, timeout=0.5)
+      except TimeoutError:
+        waits = self._rollout_waits_for
+        if waits is not None and waits > self._published:
+          try:  # (unless an item arrived just before the rollout began to wait)
+            return self.queue.get(version, timeout=0.0)
+          except TimeoutError:
+            self._dropped += self.queue.take_dropped()
+            self._check_drops(version)  # (the likelier cause, named if it is one)
+            raise ReplayMismatch(
+                f"update {version}: the learner waits for an item while the rollout, at "
+                f"step {self.rollout.num_steps}, waits for version {waits}: the replay "
+                f"has departed from its log (items taken {[it.seq for it in self._taken]}, "
+                f"dropped {self._dropped})") from None
+
+  def _check_take(self, version: int, item: types.Item) -> None:
+    """Replaying: the item just taken, and the drops before it, are the recorded ones."""
+    want = self._want_update
+    self._check_drops(version)
+    k = len(self._taken) - 1
+    if k >= len(want["items"]) or want["items"][k] != item.seq:
+      raise ReplayMismatch(f"update {version}: took item {item.seq} (its oldest version "
+                           f"{item.oldest_version}), the recorded update took "
+                           f"{want['items'][k:k + 1] or 'no more'} there")
+
+  def _check_drops(self, version: int) -> None:
+    """Replaying: the items dropped so far in this update are the recorded drops' start."""
+    recorded = self._want_update.get("dropped", [])
+    if self._dropped != recorded[:len(self._dropped)]:
+      raise ReplayMismatch(f"update {version}: dropped items {self._dropped} as too stale, "
+                           f"the recorded update dropped {recorded}")
 
   def _raise_thread_error(self) -> None:
     error = getattr(self.feed, "error", None)
@@ -379,10 +479,17 @@ class Pipeline:
     env_steps = start_env_steps
     try:
       while env_steps < total_env_steps:
+        if self.replay is not None and not self.replay.updates_left:
+          self.replay_ended = True  # The recorded session was cut short here.
+          return
+        if self.replay is not None:
+          self._want_update = self.replay.next_update()
         try:
+          version = int(state.step)
           state, metrics = self._update(state)
         except _Interrupted:
           return  # (nothing donated: the state yielded last stands)
+        self._log_update(version, metrics)
         self._publish(state, wait=not self.levels.train_async)
         # Every process: the same totals, hence the same stop decision (a collective).
         delta, stop = self._account(trained=self._taken)
@@ -391,21 +498,42 @@ class Pipeline:
         env_steps += delta.trained_env_steps + delta.dropped_env_steps
         yield UpdateInfo(state=state, metrics=metrics, env_steps=delta.trained_env_steps,
                          dropped_env_steps=delta.dropped_env_steps)
-        if stop:  # Multi-process Ctrl-C, after this update on every process.
+        if stop:  # Ctrl-C noted during the update (multi-process: on every process).
           self.interrupted = True
           return
       self._raise_thread_error()
+      self.note("end", reason="budget")
     finally:
+      if self.interrupted:
+        self.note("end", reason="interrupted")
       self.stop()
+
+  def _log_update(self, version: int, metrics: dict) -> None:
+    """The update's record in the schedule log; replaying, checked against the log's."""
+    items, dropped = [it.seq for it in self._taken], self._dropped
+    self._dropped = []
+    if self.recorder is None and self.replay is None:
+      return
+    plain = schedule_lib.plain_metrics(metrics)
+    if self.replay is not None:
+      schedule_lib.check_update(self._want_update, version, items, dropped, plain,
+                                self.replay.path)
+    if self.recorder is not None:
+      self.recorder.write("update", u=version, items=items, dropped=dropped, metrics=plain)
+
+  def note(self, kind: str, **fields) -> None:
+    """Writes a record of ``kind`` (``save``, ``end``) to the schedule log, if any."""
+    if self.recorder is not None:
+      self.recorder.write(kind, **fields)
 
   def stop(self) -> None:
     """Stops the rollout thread and the broadcaster; safe to call twice."""
     self.queue.close()
     if self.pacer is not None:
       self.pacer.close()
-    self.feed.stop()
-    if self.server is not None:
+    if self.server is not None:  # (first: a replay's rollout may wait for a version)
       self.server.close()
+    self.feed.stop()
     self._colocated = None  # The caller holds the state.
 
   # ------------------------------------------------------------------ ledger --

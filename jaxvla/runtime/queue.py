@@ -56,6 +56,7 @@ class TrajectoryQueue:
     self._cond = threading.Condition()
     self._closed = False
     self.stats = QueueStats()
+    self._dropped_seqs: list[int] = []  # Items dropped since take_dropped() (Item.seq).
 
   def __len__(self) -> int:
     with self._cond:
@@ -103,6 +104,7 @@ class TrajectoryQueue:
               self.stats.dropped_items += 1
               self.stats.dropped_chunks += item.num_chunks
               self.stats.dropped_env_steps += item.num_env_steps
+              self._dropped_seqs.append(item.seq)
               continue
             self.stats.got_items += 1
             return item, staleness
@@ -114,6 +116,12 @@ class TrajectoryQueue:
           self._cond.wait(remaining)
       finally:
         self.stats.get_wait_s += time.perf_counter() - t0
+
+  def take_dropped(self) -> list[int]:
+    """The sequence numbers (:attr:`Item.seq`) of the items dropped since the last call."""
+    with self._cond:
+      out, self._dropped_seqs = self._dropped_seqs, []
+      return out
 
   def snapshot(self) -> list[Item]:
     """The queued items (not removed)."""

@@ -212,8 +212,9 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def restore_latest(self, abstract_state, hint: str = ""):
-    """``(step, state, meta)`` of the newest intact checkpoint.
+  def restore_latest(self, abstract_state, hint: str = "", at_most: int | None = None):
+    """``(step, state, meta)`` of the newest intact checkpoint (at step ``at_most`` or
+    before, if given: a replay resumes where its recorded run did).
 
     A damaged step (unreadable metadata, a truncated or missing array file) is
     skipped with a warning for the one before it. Params that do not fit the
@@ -234,6 +235,8 @@ class Checkpointer:
                   cause)
 
     for step in sorted(self.manager.all_steps(), reverse=True):
+      if at_most is not None and step > at_most:
+        continue
       metadata_file = os.path.join(str(directory), str(step), "state", "_METADATA")
       if not os.path.exists(metadata_file):
         damaged(step, f"{metadata_file} is missing")
