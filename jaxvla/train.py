@@ -549,7 +549,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
           run.iteration += 1
           run.env_steps += info.env_steps + info.dropped_env_steps
           sps = pipe.totals()["rollout_env_steps"] / (now - rl_start)
-          window = pipe.window_metrics()
+          window = pipe.meters.window()
           s.writer.write(run.env_steps, "train", dict(
               info.metrics, env_steps_per_s=sps, iteration_s=learner_s,
               dropped_env_steps=info.dropped_env_steps, **window))
@@ -578,7 +578,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
                       if len(schedule_lib.sessions(config.replay)) > 1 else
                       "it has no later session")
     ledger_report = pipe.settle()  # (a collective: every process gets here)
-    pipeline_metrics = pipe.metrics()
+    pipeline_metrics = pipe.meters.record()
     s.writer.write(run.env_steps, "pipeline", pipeline_metrics)
     if config.pipeline.timeline and distributed.is_primary():
       pipe.save_timeline(os.path.join(workdir, "timeline.json"))

@@ -201,8 +201,8 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: Parts) -> dict:
   # (a multi-process stop is agreed one update after it is asked for: marks can run on)
   (t0, s0, r0, c0, d0), (t1, s1, r1, c1, d1) = marks[_WARMUP.value - 1], marks[timed_end - 1]
   window = pipe.clock.window(c0, c1)
-  workers = pipe.workers_busy(since=c0, until=c1)  # The env pool's use over the timed window.
-  stats = pipe.metrics()
+  workers = pipe.meters.workers_busy(since=c0, until=c1)  # The env pool's use over the timed window.
+  stats = pipe.meters.record()
   trained_rate = (s1 - s0) / (t1 - t0)
   usable_rate = (r1 - r0 - (d1 - d0)) / (t1 - t0)
   throughput = min(trained_rate, usable_rate)

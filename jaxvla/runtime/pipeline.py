@@ -40,9 +40,9 @@ and the learner at version ``u`` trains on an item only if
 ``u - oldest chunk version <= max_staleness`` (see :mod:`jaxvla.runtime.queue`).
 
 Instrumentation: one :class:`jaxvla.timing.StageClock` records the stages' busy
-intervals and the rollout's waits (counters); :meth:`Pipeline.metrics` is the
-one place that reads it together with the queue, the broadcast, the env pool's
-workers and the rollout's recent episodes.
+intervals and the rollout's waits (counters); :class:`jaxvla.runtime.meters.Meters`
+(``Pipeline.meters``) reads it together with the queue, the broadcast, the env pool's
+workers and the rollout's recent episodes, per update window and for the run.
 
 Accounting: every env step the rollout produces is trained on, dropped (too
 stale), discarded by a resume or still in flight; :class:`jaxvla.runtime.ledger.Ledger`
@@ -94,6 +94,7 @@ from jaxvla.rollout import rollout as rollout_lib
 from jaxvla.rollout import segments as segments_lib
 from jaxvla.runtime import broadcast as broadcast_lib
 from jaxvla.runtime import ledger as ledger_lib
+from jaxvla.runtime import meters as meters_lib
 from jaxvla.runtime import queue as queue_lib
 from jaxvla.runtime import schedule as schedule_lib
 from jaxvla.types import ReplayMismatch
@@ -274,7 +275,6 @@ class Pipeline:
     self.levels = Levels.from_config(p)
     self.mode_name = self.levels.name(p.mode)
     self.clock = timing.StageClock(STAGES)
-    self.staleness = timing.Histogram()
     self.queue = queue_lib.TrajectoryQueue(
         p.queue_items if self.levels.train_async else 1 << 30, p.max_staleness)
     self.pacer = None
@@ -320,10 +320,8 @@ class Pipeline:
     self._want_update: dict | None = None
     self._published = version
     self._rollout_waits_for: int | None = None
-    # The pool's worker-busy seconds at each update (for windowed fractions).
-    self._workers = (timing.Marks(env.num_workers)
-                     if isinstance(env, protocol.AsyncVecEnv) else None)
-    self._window_start = 0.0  # Clock time of the last window_metrics() call.
+    self.meters = meters_lib.Meters(self.clock, env, self.queue, self.server,
+                                    self.rollout.episodes)
 
   # ------------------------------------------------------------------ params --
   def _on_broadcast(self, version: int, start: float, end: float) -> None:
@@ -401,7 +399,7 @@ class Pipeline:
                              f"recorded rollout made ({len(self.replay.steps)} steps in "
                              f"{self.replay.path})") from None
       raise
-    self.staleness.add(version - item.versions.reshape(-1))
+    self.meters.staleness.add(version - item.versions.reshape(-1))
     return item
 
   def _get(self, version: int) -> tuple[types.Item, int]:
@@ -494,7 +492,7 @@ class Pipeline:
         # Every process: the same totals, hence the same stop decision (a collective).
         delta, stop = self._account(trained=self._taken)
         self._taken = []
-        self._mark_workers()
+        self.meters.mark_update()
         env_steps += delta.trained_env_steps + delta.dropped_env_steps
         yield UpdateInfo(state=state, metrics=metrics, env_steps=delta.trained_env_steps,
                          dropped_env_steps=delta.dropped_env_steps)
@@ -600,53 +598,6 @@ class Pipeline:
                   dropped_env_steps=since.dropped_env_steps)
     return dict(rollout_env_steps=self.rollout.env_steps,
                 dropped_env_steps=self.queue.stats.dropped_env_steps)
-
-  def _mark_workers(self) -> None:
-    """Notes the env pool's worker-busy seconds at this update (for windowed fractions)."""
-    if self._workers is not None:
-      self._workers.add(self.clock.elapsed(), self.env.stats.worker_busy_s)
-
-  def workers_busy(self, since: float = 0.0, until: float | None = None) -> float | None:
-    """Fraction of the env workers' time spent stepping from the last update at or
-    before clock time ``since`` to the last at or before ``until`` (default: until
-    now); None without an env pool.
-
-    The ``env`` stage's busy fraction says when *some* env was stepping; this says
-    how much of the workers' capacity was used (first-ready batching keeps it high).
-    """
-    if self._workers is None:
-      return None
-    return self._workers.fraction(since, until,
-                                  now=(self.clock.elapsed(), self.env.stats.worker_busy_s))
-
-  def metrics(self, since: float | None = None) -> dict[str, float]:
-    """Everything the pipeline measures, in one record.
-
-    Stage busy fractions (over the run, or since clock time ``since``), the
-    rollout's wait counters, the env workers' utilisation, staleness, queue and
-    broadcast counters, and the rollout's recent episodes (training success).
-    """
-    out = dict(self.clock.fractions() if since is None else self.clock.window(since))
-    out.update(self.clock.counters())
-    workers = self.workers_busy(since or 0.0)
-    if workers is not None:
-      out["env_workers_busy"] = workers
-      stats = self.env.stats  # Fault counters since the start of this process.
-      out.update(env_restarts=float(stats.restarts), env_hangs=float(stats.hung),
-                 episodes_lost_to_faults=float(stats.truncated_by_fault))
-    out.update(self.staleness.summary("staleness"))
-    out.update(self.queue.summary())
-    if self.server is not None:
-      out["broadcast_skipped_versions"] = float(self.server.skipped_versions)
-    out.update(self.rollout.episodes.summary())
-    return out
-
-
-  def window_metrics(self) -> dict[str, float]:
-    """:meth:`metrics` since the previous call (the first: since the start)."""
-    out = self.metrics(since=self._window_start)
-    self._window_start = self.clock.elapsed()
-    return out
 
   def save_timeline(self, path: str) -> None:
     """Writes every stage's busy intervals as JSON (``python -m jaxvla.plot_timeline``)."""
