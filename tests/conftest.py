@@ -59,6 +59,24 @@ def _dealt(items: list, workers: int) -> list:
   return [item for share in shares for item in share]
 
 
+def pool_workers(pid: int) -> list:
+  """The env pool's worker processes (``psutil.Process``) of run ``pid``, not
+  multiprocessing's helpers."""
+  import psutil  # pylint: disable=import-outside-toplevel
+  try:
+    children = psutil.Process(pid).children()
+  except psutil.NoSuchProcess:
+    return []
+  out = []
+  for child in children:
+    try:
+      if "spawn_main" in " ".join(child.cmdline()):
+        out.append(child)
+    except psutil.NoSuchProcess:
+      pass
+  return out
+
+
 def fast_xla_env(env: dict[str, str]) -> dict[str, str]:
   """``env`` with launch/test.sh's compile-time XLA flags (``JAXVLA_TEST_FAST_XLA_FLAGS``,
   when test.sh set them): for the slow step's short subprocess runs, whose speed is not

@@ -38,22 +38,6 @@ _FLAGS = {  # Every async level, an env pool, a checkpoint after every update.
 }
 
 
-def _workers(pid: int) -> list[psutil.Process]:
-  """The env pool's worker processes of run ``pid`` (not multiprocessing's helpers)."""
-  try:
-    children = psutil.Process(pid).children()
-  except psutil.NoSuchProcess:
-    return []
-  out = []
-  for child in children:
-    try:
-      if "spawn_main" in " ".join(child.cmdline()):
-        out.append(child)
-    except psutil.NoSuchProcess:
-      pass
-  return out
-
-
 class _Chaos:
   """Once ``ready()`` (the run is training: a worker that dies while the pool starts
   fails the run, by design), faults the env workers of run ``pid`` and counts what it
@@ -87,14 +71,14 @@ class _Chaos:
       if not self.ready() or self.updates() < self._next_at:
         continue
       if self._eligible is None:  # The pool's first workers have started.
-        self._eligible = {w.pid for w in _workers(self.pid)}
+        self._eligible = {w.pid for w in conftest.pool_workers(self.pid)}
       # (pids, not create_time(): that is only as exact as the boot time, to a second)
-      workers = [w for w in _workers(self.pid) if w.status() != psutil.STATUS_STOPPED
-                 and w.pid in self._eligible]
+      workers = [w for w in conftest.pool_workers(self.pid)
+                 if w.status() != psutil.STATUS_STOPPED and w.pid in self._eligible]
       if len(workers) < (1 if self.hangs else 2):
         continue
       self._next_at = self.updates() + self.UPDATES_BETWEEN
-      self._eligible = {w.pid for w in _workers(self.pid)}
+      self._eligible = {w.pid for w in conftest.pool_workers(self.pid)}
       victim, *others = self.rng.sample(workers, len(workers))
       if not self.hangs and _signal(others[0], signal.SIGSTOP):
         self.hangs += 1  # Hung: the pool must notice and replace it.

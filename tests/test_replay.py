@@ -24,7 +24,6 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import psutil
 import pytest
 
 from jaxvla import defaults, replay_diff
@@ -63,17 +62,6 @@ def _records(workdir: str, phase: str) -> list[dict]:
     return [r for r in map(json.loads, f) if r["phase"] == phase]
 
 
-def _pool_workers(pid: int) -> list[psutil.Process]:
-  out = []
-  for child in psutil.Process(pid).children():
-    try:
-      if "spawn_main" in " ".join(child.cmdline()):
-        out.append(child)
-    except psutil.NoSuchProcess:
-      pass
-  return out
-
-
 def _run(workdir: str, log_path: str, *, kill_worker_at: int | None = None,
          interrupt_at: int | None = None, **extra) -> None:
   """Runs ``jaxvla.main``; SIGKILLs an env worker once it has made ``kill_worker_at``
@@ -86,7 +74,7 @@ def _run(workdir: str, log_path: str, *, kill_worker_at: int | None = None,
       while proc.poll() is None and time.time() < deadline:
         updates = len(_records(workdir, "train"))
         if kill_worker_at is not None and updates >= kill_worker_at:
-          workers = _pool_workers(proc.pid)
+          workers = conftest.pool_workers(proc.pid)
           if workers:
             workers[0].send_signal(signal.SIGKILL)
             kill_worker_at = None

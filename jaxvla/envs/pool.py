@@ -63,7 +63,8 @@ import numpy as np
 from jaxvla.envs import protocol, registry, worker
 from jaxvla.types import ReplayMismatch
 
-__all__ = ["ConfigEnvFn", "EnvFn", "EnvPool", "EnvState", "PoolStats", "RestartListener", "config_env_fn", "env_seed"]
+__all__ = ["ConfigEnvFn", "EnvFn", "EnvPool", "EnvState", "PoolStats", "RestartListener",
+           "config_env_fn", "env_seed"]
 
 EnvFn = worker.EnvFn
 env_seed = worker.env_seed  # Part of the pool's API: the seeds its envs are built with.

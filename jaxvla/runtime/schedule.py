@@ -268,15 +268,10 @@ def plain_metrics(metrics: dict) -> dict[str, float]:
 REPLAY_FREE_KEYS = ("replay", "resume", "log", "pipeline.schedule_log", "pipeline.timeline")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, dict):
-      out.update(_flat(value, name + "."))
-    else:
-      out[name] = value
-  return out
+def _flat(tree: dict) -> dict[str, Any]:
+  """``{"a": {"b": x}}`` -> ``{"a.b": x}`` (a config as its dotted keys)."""
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: not isinstance(x, dict))
+  return {".".join(str(k.key) for k in path): value for path, value in leaves}
 
 
 def config_differences(recorded: dict, now: dict) -> list[str]:
