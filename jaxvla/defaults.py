@@ -135,7 +135,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.bc.demo_noise = 0.3  # Gaussian noise added to the expert's executed actions.
   c.bc.success_only = False  # Record only the demonstrator's successful episodes.
   c.bc.expert_speed = 0.4  # Demonstrator speed (fraction of max): cautious, like teleoperation.
-  c.bc.num_steps = 3500  # Gradient steps of the warm start (0: start RL from scratch).
+  c.bc.num_steps = 7000  # Gradient steps of the warm start (0: start RL from scratch).
   c.bc.batch_size = 64  # Warm-start batch size (chunks).
   c.bc.learning_rate = 1e-3  # Warm-start Adam learning rate.
   c.bc.lr_schedule = "constant"  # 'constant', or 'cosine' decay to 0.1x by bc.num_steps.
