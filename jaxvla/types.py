@@ -8,7 +8,6 @@ A leaf module: it imports nothing from jaxvla, so every stage of the data path
 * :class:`EpisodeBatch` ``[K, E]``: GRPO's whole episodes, padded to ``K`` chunks.
 * :class:`Item`: one queue entry (either of the two, with its chunks' versions).
 * :class:`Closed`: raised by the thread primitives (queue, pacer) once closed.
-* :class:`ReplayMismatch`: raised where a replay departs from its schedule log.
 
 Both payload types declare their *env axis* per field (:meth:`Trajectory.env_axes`),
 so that concatenating batches (:func:`concat`), stacking segments (:func:`stack`)
@@ -34,11 +33,6 @@ class Counts(NamedTuple):
   env_steps: int = 0
   chunks: int = 0
   segments: int = 0
-
-
-class ReplayMismatch(RuntimeError):
-  """A replay found the run other than its schedule log says (the message names the
-  first difference: the step, the env, the update)."""
 
 
 class Closed(Exception):

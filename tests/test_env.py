@@ -1,6 +1,9 @@
 """The built-in ColorReach env: shapes, the expert, language grounding, failures, latency,
 GRPO group resets."""
 
+import os
+import subprocess
+import sys
 import time
 import types
 
@@ -244,3 +247,13 @@ def test_evaluation_env_in_workers_plays_the_same_episodes():
       env.close()
   assert results[0] == results[1] and results[0]["num_episodes"] == c.eval.num_episodes
 
+
+
+def test_the_env_package_imports_without_jax():
+  """The motion planner's worker runs in a Python environment of its own, without JAX
+  (``jaxvla.data.planner_worker``): ``jaxvla.envs`` and its pool must import there."""
+  code = ("import sys; sys.modules['jax'] = sys.modules['jaxlib'] = None; "
+          "from jaxvla.envs import maniskill, pool, registry")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        check=False, cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert proc.returncode == 0, proc.stderr[-2000:]

@@ -61,7 +61,7 @@ import ml_collections
 import numpy as np
 
 from jaxvla.envs import protocol, registry, worker
-from jaxvla.types import ReplayMismatch
+from jaxvla.errors import ReplayMismatch
 
 __all__ = ["ConfigEnvFn", "EnvFn", "EnvPool", "EnvState", "PoolStats", "RestartListener",
            "config_env_fn", "env_seed"]

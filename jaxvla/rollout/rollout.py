@@ -48,12 +48,12 @@ import numpy as np
 
 from jaxvla import timing, types
 from jaxvla.envs import protocol
+from jaxvla.errors import ReplayMismatch
 from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.models import contract
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.rollout import segments as segments_lib
 from jaxvla.rollout.segments import rows
-from jaxvla.types import ReplayMismatch
 
 log = logging.getLogger(__name__)
 

@@ -85,6 +85,7 @@ import numpy as np
 
 from jaxvla import timing, types
 from jaxvla.envs import protocol
+from jaxvla.errors import ReplayMismatch
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract
 from jaxvla.parallel import distributed
@@ -97,7 +98,6 @@ from jaxvla.runtime import ledger as ledger_lib
 from jaxvla.runtime import meters as meters_lib
 from jaxvla.runtime import queue as queue_lib
 from jaxvla.runtime import schedule as schedule_lib
-from jaxvla.types import ReplayMismatch
 
 log = logging.getLogger(__name__)
 

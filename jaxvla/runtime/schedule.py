@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import jaxlib
 
-from jaxvla.types import ReplayMismatch
+from jaxvla.errors import ReplayMismatch
 
 FORMAT = 1
 KINDS = ("session", "step", "restart", "update", "save", "end")
