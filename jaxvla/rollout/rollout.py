@@ -232,9 +232,7 @@ class Rollout:
     if self.replay is not None:
       raise ReplayMismatch(f"rollout step {self.num_steps}: env worker {worker} {why} in the "
                            "replay, where the recorded run's did not; replayed up to here")
-    self.recorder.write("restart", n=self.num_steps, phase=self._phase, worker=worker,
-                        why=why, lost=[int(i) for i in in_flight],
-                        ready=[int(i) for i in ready])
+    self.recorder.restart(self.num_steps, self._phase, worker, why, in_flight, ready)
 
   def _replay_restarts(self, phase: str) -> None:
     """Replaying: the worker restarts the recorded run had in ``phase`` of this step."""

@@ -80,8 +80,9 @@ def sessions(workdir: str) -> list[int]:
   return sorted(out)
 
 
-def _ids(ids) -> list[int]:
-  return [int(i) for i in ids]
+def _ids(values) -> list[int]:
+  """Env ids (any integer array) as JSON integers."""
+  return [int(i) for i in values]
 
 
 class Recorder:
@@ -109,7 +110,7 @@ class Recorder:
 
   def step(self, n: int, recv=None, act=None, version: int | None = None,
            values: list[int] | None = None) -> None:
-    """Step ``n``'s record; ``act`` is written only where it differs from ``recv``."""
+    """Step ``n``'s record (``act``: only when the rollout held some envs back)."""
     rec: dict[str, Any] = dict(n=n)
     if recv is not None:
       rec["recv"] = _ids(recv)
@@ -120,6 +121,12 @@ class Recorder:
     if values:
       rec["values"] = [int(v) for v in values]
     self.write("step", **rec)
+
+  def restart(self, n: int, phase: str, worker: int, why: str, lost, ready) -> None:
+    """A worker restart in ``phase`` of step ``n`` (``lost``: env ids whose chunks it
+    cut; ``ready``: those whose results had arrived)."""
+    self.write("restart", n=n, phase=phase, worker=worker, why=why, lost=_ids(lost),
+               ready=_ids(ready))
 
   def close(self) -> None:
     with self._lock:
