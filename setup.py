@@ -32,6 +32,7 @@ INSTALL_REQUIRES = [
     # websockets.asyncio API that openpi's server and client use.
     "websockets>=14",
     "msgpack",  # the server's wire format (openpi_client.msgpack_numpy's)
+    "psutil",  # python -m jaxvla.plan --measure: the env workers' CPU time
 ]
 
 EXTRAS_REQUIRE = {

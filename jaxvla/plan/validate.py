@@ -1,0 +1,149 @@
+"""The simulator against measured runs: ``python -m jaxvla.plan --validate``.
+
+For each row of :data:`ROWS` (a config, overrides, the pipeline modes to compare, the
+process count), in subprocesses so that each measurement starts alone:
+
+1. ``python -m jaxvla.plan --measure=costs.json`` measures the config's stage costs;
+2. ``python -m jaxvla.bench.pipeline`` (``jaxvla.bench.scaling`` for several processes)
+   runs each mode and measures env steps/s and the mean staleness;
+3. :func:`jaxvla.plan.simulator.simulate` predicts the same from the costs alone.
+
+A row holds when the prediction is within :data:`THROUGHPUT_TOLERANCE` of the measured
+env steps/s (relative) and within :data:`STALENESS_TOLERANCE` of its mean staleness.
+Both runs use :data:`XLA_FLAGS` (one thread per XLA computation, as the benchmark's
+documented figures do), so an XLA computation is one core's work in both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import ml_collections
+
+from jaxvla import config_files
+from jaxvla.bench import pipeline as bench_pipeline
+from jaxvla.plan import costs as costs_lib
+from jaxvla.plan import simulator
+
+THROUGHPUT_TOLERANCE = 0.15
+STALENESS_TOLERANCE = 0.5
+XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  name: str
+  config: str  # PATH[:ARG]
+  overrides: tuple[tuple[str, object], ...] = ()
+  modes: tuple[str, ...] = ("sync_colocated", "+streamer")
+  processes: int = 1
+  updates: int = 8
+
+  def load(self) -> ml_collections.ConfigDict:
+    path, _, arg = self.config.partition(":")
+    c = config_files.load_config(path, arg or None)
+    with c.unlocked():
+      c.update_from_flattened_dict(dict(self.overrides))
+    return c
+
+  def flags(self) -> list[str]:
+    return [f"--config={self.config}"] + [f"--config.{k}={v}" for k, v in self.overrides]
+
+
+ROWS = (
+    Row("ColorReach (bench), 32 envs / 8 workers, k=1", "configs/default.py:bench",
+        modes=("sync_colocated", "+train_async", "+streamer"), updates=12),
+    Row("ColorReach (bench), 16 envs / 4 workers, k=2", "configs/default.py:bench",
+        (("num_envs", 16), ("env_workers", 4), ("pipeline.b_max", 4),
+         ("pipeline.max_staleness", 2)), modes=("+rollout_async", "+streamer"), updates=12),
+    Row("ManiSkill3 PickCube state, 8 envs / 2 workers, k=1", "configs/maniskill.py:state",
+        (("num_envs", 8), ("env_workers", 2), ("rollout_len", 4),
+         ("pipeline.micro_batch_segments", 2)), updates=8),
+    Row("LIBERO tiny, 2 envs / 2 workers, k=1", "configs/libero_bench.py:tiny", updates=8),
+    Row("ColorReach (scaling), 2 processes x 32 envs, k=1", "configs/scaling.py",
+        modes=("+rollout_async",), processes=2, updates=12),
+)
+QUICK_ROWS = (
+    Row("ColorReach (bench), 16 envs / 4 workers, k=1", "configs/default.py:bench",
+        (("num_envs", 16), ("env_workers", 4), ("pipeline.b_max", 4)),
+        modes=("sync_colocated", "+streamer"), updates=6),
+)
+
+
+def _env() -> dict[str, str]:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = XLA_FLAGS
+  return env
+
+
+def _run(cmd: list[str]) -> str:
+  done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, check=False)
+  if done.returncode:
+    raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n"
+                       f"{done.stderr[-3000:]}")
+  return done.stdout
+
+
+def _last_json(stdout: str) -> dict:
+  return json.loads(stdout.strip().splitlines()[-1])
+
+
+def measure_row(row: Row, workdir: str) -> tuple[costs_lib.Costs, list[dict]]:
+  """The row's measured stage costs and its benchmark rows (one per mode)."""
+  costs_path = os.path.join(workdir, "costs.json")
+  _run([sys.executable, "-m", "jaxvla.plan", *row.flags(), f"--measure={costs_path}"])
+  common = [*row.flags(), f"--modes={','.join(row.modes)}", f"--updates={row.updates}",
+            "--warmup=2"]
+  if row.processes == 1:
+    out = _run([sys.executable, "-m", "jaxvla.bench.pipeline", *common, "--stage_seconds=1"])
+  else:
+    out = _run([sys.executable, "-m", "jaxvla.bench.scaling", *common,
+                f"--processes={row.processes}"])
+  return costs_lib.Costs.load(costs_path), _last_json(out)["rows"]
+
+
+def predict(row: Row, costs: costs_lib.Costs, mode: str, updates: int = 40
+            ) -> simulator.Result:
+  c = bench_pipeline.mode_config(row.load(), mode)
+  setup = simulator.Setup.from_config(c, processes=row.processes,
+                                      processes_per_machine=row.processes)
+  return simulator.simulate(setup, costs, updates=updates)
+
+
+def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None) -> dict:
+  """Measures and predicts every row; returns the report (also the command's JSON)."""
+  workdir = workdir or tempfile.mkdtemp(prefix="jaxvla_plan_validate_")
+  lines = []
+  for k, row in enumerate(rows):
+    row_dir = os.path.join(workdir, f"row{k}")
+    os.makedirs(row_dir, exist_ok=True)
+    costs, measured = measure_row(row, row_dir)
+    for mode, got in zip(row.modes, measured):
+      sim = predict(row, costs, mode)
+      error = sim.env_steps_per_s / got["env_steps_per_s"] - 1
+      stale_error = sim.staleness_mean - got["staleness_mean"]
+      lines.append(dict(
+          row=row.name, mode=mode, processes=row.processes,
+          measured_env_steps_per_s=got["env_steps_per_s"],
+          predicted_env_steps_per_s=sim.env_steps_per_s, relative_error=error,
+          measured_staleness=got["staleness_mean"], predicted_staleness=sim.staleness_mean,
+          staleness_error=stale_error,
+          within=abs(error) <= THROUGHPUT_TOLERANCE and abs(stale_error) <= STALENESS_TOLERANCE))
+      print(f"{row.name:<52}{mode:<16}{got['env_steps_per_s']:>9.1f}{sim.env_steps_per_s:>9.1f}"
+            f"{error:>+8.1%}{got['staleness_mean']:>7.2f}{sim.staleness_mean:>7.2f}"
+            f"{'  ok' if lines[-1]['within'] else '  OUT'}", flush=True)
+  return dict(
+      rows=lines, largest_relative_error=max(abs(x["relative_error"]) for x in lines),
+      largest_staleness_error=max(abs(x["staleness_error"]) for x in lines),
+      all_within=all(x["within"] for x in lines), workdir=workdir,
+      tolerance=dict(relative=THROUGHPUT_TOLERANCE, staleness=STALENESS_TOLERANCE))
+
+
+def header() -> str:
+  return (f"{'row':<52}{'mode':<16}{'measured':>9}{'sim':>9}{'error':>8}{'stale':>7}"
+          f"{'sim':>7}")
