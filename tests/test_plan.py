@@ -217,14 +217,15 @@ def test_the_command_simulates_a_config_from_a_costs_file(tmp_path):
 
 
 @pytest.mark.slow  # Measures a config, then benchmarks two modes: about two minutes.
-def test_validate_compares_the_simulator_with_measured_runs():
+def test_validate_compares_the_simulator_with_measured_runs(tmp_path):
   """The small version of ``--validate``: one config's costs measured, two modes run and
   simulated. The documented check (every row within 15%, docs/results/scaling.md) is for
   a quiet machine; the slow step runs two tests at a time, so the measured runs share the
   cores with another test and only a gross error (a stage or a rule missing from the
   model: a factor, not percent) fails here."""
   out = subprocess.run([sys.executable, "-m", "jaxvla.plan", "--validate", "--quick"],
-                       cwd=ROOT, capture_output=True, text=True, check=True).stdout
+                       cwd=ROOT, capture_output=True, text=True, check=True,
+                       env=dict(os.environ, TMPDIR=str(tmp_path))).stdout  # (its workdir)
   report = json.loads(out.strip().splitlines()[-1])
   assert [r["mode"] for r in report["rows"]] == ["sync_colocated", "+streamer"]
   for row in report["rows"]:
