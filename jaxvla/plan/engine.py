@@ -94,19 +94,14 @@ class Sim:
     self.call(0.0, resume, None)
     return done
 
-  def run(self, stop: Callable[[], bool], max_time: float = float("inf"),
-          max_events: int = 50_000_000) -> None:
-    """Runs events until ``stop()`` holds, the calendar is empty or a limit is reached.
+  def run(self, stop: Callable[[], bool], max_events: int = 50_000_000) -> None:
+    """Runs events until ``stop()`` holds, the calendar is empty or ``max_events`` ran.
 
     Raises:
       RuntimeError: ``max_events`` ran without ``stop()``: a model that cannot progress.
     """
     while self._calendar and not stop():
-      time, _, fn, value = heapq.heappop(self._calendar)
-      if time > max_time:
-        self.now = max_time
-        return
-      self.now = time
+      self.now, _, fn, value = heapq.heappop(self._calendar)
       fn(value)
       self.events += 1
       if self.events >= max_events:

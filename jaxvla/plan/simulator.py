@@ -304,9 +304,6 @@ class _Process:
   def _starting(self, envs: list[int]) -> list[int]:
     return [e for e in envs if self.chunks_done[e] == 0 and not self.open_versions[e]]
 
-  def _wait_version(self) -> engine.Process:
-    yield self.version_changed
-
   def step(self) -> engine.Process:
     """One inference batch, as :meth:`Rollout.step` makes it."""
     if self.run.setup.rollout_async:
@@ -323,7 +320,7 @@ class _Process:
     envs = list(range(s.num_envs))
     starting = len(self._starting(envs)) if s.paced else 0
     while starting and self._available() < starting:
-      yield from self._wait_version()
+      yield self.version_changed
     self.started += starting
     yield from self._act(envs)
     if s.env_workers:
@@ -351,11 +348,12 @@ class _Process:
     continuing = [e for e in envs if e not in starting]
     if starting and not continuing and nothing_in_flight:
       while self._available() <= 0:
-        yield from self._wait_version()
+        yield self.version_changed
     granted = max(0, min(len(starting), self._available())) if starting else 0
     self.started += granted
     admitted = sorted(continuing + [e for e in envs if e in starting][:granted])
-    self.parked = [e for e in envs if e not in set(admitted)]
+    taken = set(admitted)
+    self.parked = [e for e in envs if e not in taken]
     if admitted:
       yield from self._act(admitted)
       self._send(admitted)
@@ -461,13 +459,11 @@ class _Run:
     return event
 
   def _compute(self, proc: _Process, chunks: int, steps: int) -> engine.Process:
-    """The learner's work on ``chunks`` chunks in ``steps`` optimizer steps (data-parallel
-    over the learner devices: the per-chunk part divides, the per-step part does not)."""
-    s, learner = self.setup, self.costs.learner
-    devices = s.learner_devices if self.costs.accelerated else 1
-    alone = steps * learner.fixed_s + chunks * learner.per_chunk_s / devices
+    """The learner's work on ``chunks`` chunks in ``steps`` optimizer steps."""
+    s = self.setup
     start = self.sim.now
-    yield proc.learner_res.run(alone, learner.demand)
+    yield proc.learner_res.run(learner_alone_s(s, self.costs, chunks, steps),
+                               self.costs.learner.demand)
     if s.allreduce_s and steps:
       yield self.sim.timeout(s.allreduce_s * steps)
     if proc.index == 0:
@@ -481,13 +477,13 @@ class _Run:
       if s.streamer:
         for j in range(s.items_per_update):
           item = yield from proc.take(u)
-          self._add_trained(proc, item)
+          self.trained += item.env_steps
           yield self._barrier((u, j))
           yield from self._compute(proc, item_chunks, int((j + 1) % per_minibatch == 0))
       else:
         for _ in range(s.items_per_update):
           item = yield from proc.take(u)
-          self._add_trained(proc, item)
+          self.trained += item.env_steps
         yield self._barrier((u, "update"))
         yield from self._compute(proc, s.num_epochs * s.items_per_update * item_chunks,
                                  s.num_epochs * s.num_minibatches)
@@ -498,9 +494,6 @@ class _Run:
       yield from self._publish(proc, u + 1)
     if proc.index == 0:
       self.finished = True
-
-  def _add_trained(self, proc: _Process, item: _Item) -> None:
-    self.trained += item.env_steps
 
   def _publish(self, proc: _Process, version: int) -> engine.Process:
     s = self.setup
@@ -529,6 +522,13 @@ class _Run:
                          "updates: nothing left to happen (a deadlock in the setup)")
 
 
+def learner_alone_s(setup: Setup, costs: costs_lib.Costs, chunks: int, steps: int) -> float:
+  """The learner's alone seconds for ``chunks`` chunks in ``steps`` optimizer steps,
+  data-parallel over its devices (the per-chunk part divides, the per-step part does not)."""
+  devices = setup.learner_devices if costs.accelerated else 1
+  return steps * costs.learner.fixed_s + chunks * costs.learner.per_chunk_s / devices
+
+
 def stage_rates(setup: Setup, costs: costs_lib.Costs) -> dict[str, float]:
   """Each stage alone, in env steps/s of the whole run (the benchmark's standalone rates).
 
@@ -547,9 +547,7 @@ def stage_rates(setup: Setup, costs: costs_lib.Costs) -> dict[str, float]:
   act_s = costs.act_cost(per_device)[0] + costs.rollout_overhead_s
   inference = s.processes * rows * h / act_s
   chunks, steps = s.num_envs * s.rollout_len, s.num_minibatches * s.num_epochs
-  devices = s.learner_devices if costs.accelerated else 1
-  update_s = (steps * (costs.learner.fixed_s + s.allreduce_s)
-              + s.num_epochs * chunks * costs.learner.per_chunk_s / devices)
+  update_s = learner_alone_s(s, costs, s.num_epochs * chunks, steps) + steps * s.allreduce_s
   learner = s.processes * chunks * h / update_s
   return dict(env=env, inference=inference, learner=learner)
 
