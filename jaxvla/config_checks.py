@@ -64,6 +64,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
            f"must be >= 1, got {c.ppo.max_bad_updates}")
   _require(c.bc.num_steps >= 0, "bc.num_steps", f"must be >= 0, got {c.bc.num_steps}")
   learner.bc_learning_rate(c.bc)  # (the owner of the bc.lr_schedule check; raises naming it)
+  learner.rl_decay_steps(c)  # (the owner of the ppo.lr_schedule check; raises naming it)
   _require(c.bc.num_steps == 0 or c.bc.num_episodes >= 1, "bc.num_episodes",
            "must be >= 1 when bc.num_steps > 0")
   _require(c.eval.every_iters >= 1, "eval.every_iters", "must be >= 1")

@@ -177,6 +177,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.ppo.value_clip = 0.0  # Clip the value's move from the rollout's, PPO2-style (0: off).
   c.ppo.value_learning_rate = 0.0  # Critic (rl/value_*) Adam learning rate (0: learning_rate).
   c.ppo.critic_warmup_steps = 0  # First RL optimizer steps that train the critic alone.
+  # 'constant', or 'linear': the actor's step falls to 0 at the budget's last optimizer
+  # step (learner.rl_optimizer_steps; after the critic's warm-up; PPO only).
+  c.ppo.lr_schedule = "constant"
   c.ppo.entropy_coef = 0.0  # Weight of the sampler-entropy bonus (matters for flow_noise).
   c.ppo.num_epochs = 2  # Passes over each rollout.
   c.ppo.num_minibatches = 4  # Minibatches per pass.

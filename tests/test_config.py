@@ -90,6 +90,7 @@ def test_locked_config_rejects_new_fields():
     ("ppo.value_clip", -0.2, "config.ppo.value_clip"),
     ("ppo.value_learning_rate", -1e-4, "config.ppo.value_learning_rate"),
     ("ppo.critic_warmup_steps", -1, "config.ppo.critic_warmup_steps"),
+    ("ppo.lr_schedule", "cosine", "config.ppo.lr_schedule"),
     ("pipeline.min_bucket", 0, "config.pipeline.min_bucket"),
     ("pipeline.min_bucket", 99, "config.pipeline.min_bucket"),
 ])
@@ -101,6 +102,13 @@ def test_inconsistent_values_name_the_key(key, value, match):
     node = node[p]
   node[last] = value
   with pytest.raises(ValueError, match=match):
+    config_checks.validate(c)
+
+
+def test_a_linear_rl_schedule_needs_ppo():
+  c = default.get_config()
+  c.algorithm, c.ppo.lr_schedule = "grpo", "linear"
+  with pytest.raises(ValueError, match="config.ppo.lr_schedule='linear' needs PPO"):
     config_checks.validate(c)
 
 

@@ -259,6 +259,42 @@ def test_critic_learning_rate_and_warmup():
       jax.tree.structure(one_adam.init(params)))
 
 
+def test_linear_rl_schedule_decays_the_actor_to_zero_over_the_budget():
+  """ppo.lr_schedule='linear': the budget's optimizer steps counted from the config, the
+  actor's Adam step falling from the learning rate to 0 over them after the critic's
+  warm-up, the critic's at its own constant step."""
+  from jaxvla import defaults  # pylint: disable=import-outside-toplevel
+  from jaxvla.learner import learner as learner_lib  # pylint: disable=import-outside-toplevel
+  c = defaults.get_config()
+  c.num_envs, c.rollout_len, c.model.chunk_len = 4, 3, 5  # 60 env steps per update
+  c.total_env_steps, c.ppo.num_epochs, c.ppo.num_minibatches = 590, 2, 3  # 10 updates
+  assert learner_lib.rl_optimizer_steps(c) == 10 * 2 * 3
+  assert learner_lib.rl_optimizer_steps(c, num_processes=2) == 5 * 2 * 3
+  assert learner_lib.rl_decay_steps(c) == 0  # 'constant'
+  c.ppo.lr_schedule, c.ppo.critic_warmup_steps = "linear", 20
+  assert learner_lib.rl_decay_steps(c) == 40
+  params = {"rl": {"value_out": {"kernel": jnp.zeros(3)}}, "action_out_proj": {"kernel": jnp.zeros(3)}}
+  grads = jax.tree.map(lambda x: x + 1e-3, params)
+  tx = learner_lib.make_optimizer(1e-5, 1.0, critic_learning_rate=1e-3, critic_warmup_steps=2,
+                                  decay_steps=4)
+  state = tx.init(params)
+  actor, critic = [], []
+  for _ in range(8):
+    updates, state = tx.update(grads, state, params)
+    actor.append(float(jnp.abs(updates["action_out_proj"]["kernel"]).max()))
+    critic.append(float(jnp.abs(updates["rl"]["value_out"]["kernel"]).max()))
+  np.testing.assert_allclose(actor, [0, 0, 1e-5, 0.75e-5, 0.5e-5, 0.25e-5, 0, 0], rtol=1e-3,
+                             atol=1e-12)
+  np.testing.assert_allclose(critic, 1e-3, rtol=1e-3)
+  # One Adam over all (no critic settings): everything decays.
+  tx = learner_lib.make_optimizer(1e-5, 1.0, decay_steps=2)
+  state, moved = tx.init(params), []
+  for _ in range(3):
+    updates, state = tx.update(grads, state, params)
+    moved.append(float(jnp.abs(updates["rl"]["value_out"]["kernel"]).max()))
+  np.testing.assert_allclose(moved, [1e-5, 0.5e-5, 0], rtol=1e-3, atol=1e-12)
+
+
 def test_ppo_clipping_stops_gradient_beyond_clip():
   adv = jnp.ones(4)
   grad = jax.grad(lambda lp: ppo.ppo_loss(lp, jnp.zeros(4), adv, jnp.zeros(4), jnp.zeros(4),

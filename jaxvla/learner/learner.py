@@ -94,11 +94,46 @@ def bc_learning_rate(bc_config: ml_collections.ConfigDict) -> float | optax.Sche
 
 
 CRITIC_PREFIX = "rl/value_"  # the value head's parameters (every policy family's)
+RL_SCHEDULES = ("constant", "linear")
 
 
-def make_optimizer(learning_rate: float, max_grad_norm: float, b1: float = 0.9, *,
-                   critic_learning_rate: float = 0.0,
-                   critic_warmup_steps: int = 0) -> optax.GradientTransformation:
+def rl_optimizer_steps(config: ml_collections.ConfigDict, num_processes: int = 1) -> int:
+  """The optimizer steps of the RL budget: its PPO updates (``total_env_steps`` over the
+  env steps of one update, ``num_envs * rollout_len * chunk_len`` per process, rounded
+  up) times ``ppo.num_epochs * ppo.num_minibatches``. An update that ``ppo.target_kl``
+  cuts short takes fewer, so a run can end a little before this count.
+  """
+  per_update = num_processes * config.num_envs * config.rollout_len * config.model.chunk_len
+  updates = -(-config.total_env_steps // per_update)
+  return updates * config.ppo.num_epochs * config.ppo.num_minibatches
+
+
+def rl_decay_steps(config: ml_collections.ConfigDict, num_processes: int = 1) -> int:
+  """Over how many optimizer steps the actor's RL step size falls to 0: none (0) for
+  ``ppo.lr_schedule='constant'``; for 'linear' the budget's steps
+  (:func:`rl_optimizer_steps`) after the critic's warm-up (PPO's learning-rate annealing,
+  as in Schulman et al.'s Atari and MuJoCo runs).
+
+  Raises:
+    ValueError: naming ``config.ppo.lr_schedule`` if it is not one of
+      :data:`RL_SCHEDULES`, or 'linear' for GRPO (whose updates take whole episodes, so
+      the budget's step count is not known in advance).
+  """
+  schedule = config.ppo.lr_schedule
+  if schedule not in RL_SCHEDULES:
+    raise ValueError(f"config.ppo.lr_schedule must be one of {RL_SCHEDULES}, got {schedule!r}")
+  if schedule == "constant":
+    return 0
+  if config.algorithm == "grpo":
+    raise ValueError("config.ppo.lr_schedule='linear' needs PPO: a GRPO update takes whole "
+                     "episodes, so the budget's optimizer steps are not known in advance")
+  return max(1, rl_optimizer_steps(config, num_processes) - config.ppo.critic_warmup_steps)
+
+
+def make_optimizer(learning_rate: float | optax.Schedule, max_grad_norm: float,
+                   b1: float = 0.9, *, critic_learning_rate: float = 0.0,
+                   critic_warmup_steps: int = 0,
+                   decay_steps: int = 0) -> optax.GradientTransformation:
   """Global-norm clipping, then Adam (``b1``: its first-moment decay, the momentum).
 
   With ``critic_learning_rate > 0`` or ``critic_warmup_steps > 0`` (``ppo.value_*``,
@@ -107,15 +142,20 @@ def make_optimizer(learning_rate: float, max_grad_norm: float, b1: float = 0.9, 
   ``critic_learning_rate`` (0: ``learning_rate``), the actor's at ``learning_rate``
   after its first ``critic_warmup_steps`` optimizer steps, at 0 before them (the
   global-norm clip still sees both gradients). Without either, one Adam over all.
+  With ``decay_steps > 0`` (a float ``learning_rate`` only) the actor's step falls
+  linearly from ``learning_rate`` to 0 over that many steps after the warm-up, and
+  stays at 0 beyond them (one Adam over all: the critic's falls with it).
   """
   clip = optax.clip_by_global_norm(max_grad_norm)
-  if not critic_learning_rate and not critic_warmup_steps:
-    return optax.chain(clip, optax.adam(learning_rate, b1=b1))
   actor_lr = learning_rate
+  if decay_steps:
+    actor_lr = optax.linear_schedule(learning_rate, 0.0, decay_steps)
+  if not critic_learning_rate and not critic_warmup_steps:
+    return optax.chain(clip, optax.adam(actor_lr, b1=b1))
   if critic_warmup_steps:
-    actor_lr = optax.join_schedules(
-        [optax.constant_schedule(0.0), optax.constant_schedule(learning_rate)],
-        [critic_warmup_steps])
+    after = (actor_lr if decay_steps else optax.constant_schedule(learning_rate))
+    actor_lr = optax.join_schedules([optax.constant_schedule(0.0), after],
+                                    [critic_warmup_steps])
   critic = optax.adam(critic_learning_rate or learning_rate, b1=b1)
   return optax.chain(clip, optax.multi_transform(
       {"actor": optax.adam(actor_lr, b1=b1), "critic": critic}, _actor_critic_labels))
@@ -239,7 +279,9 @@ class Learner:
         make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm,
                        b1=ppo_config.adam_b1,
                        critic_learning_rate=ppo_config.value_learning_rate,
-                       critic_warmup_steps=ppo_config.critic_warmup_steps), self.rl_trainable)
+                       critic_warmup_steps=ppo_config.critic_warmup_steps,
+                       decay_steps=rl_decay_steps(config, jax.process_count())),
+        self.rl_trainable)
     self.num_processes = jax.process_count()
     if mesh is None:
       if self.num_processes > 1:
