@@ -14,6 +14,7 @@ from jaxvla import config_files, defaults
 from jaxvla.plan import costs as costs_lib
 from jaxvla.plan import engine, placement, simulator
 from jaxvla.runtime import pipeline as pipeline_lib
+from tests import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -216,16 +217,18 @@ def test_the_command_simulates_a_config_from_a_costs_file(tmp_path):
   assert math.isfinite(result["efficiency"])
 
 
-@pytest.mark.slow  # Measures a config, then benchmarks two modes: about two minutes.
+@pytest.mark.slow  # Measures a config, then benchmarks two modes: about a minute.
 def test_validate_compares_the_simulator_with_measured_runs(tmp_path):
   """The small version of ``--validate``: one config's costs measured, two modes run and
   simulated. The documented check (every row within 15%, docs/results/scaling.md) is for
   a quiet machine; the slow step runs two tests at a time, so the measured runs share the
   cores with another test and only a gross error (a stage or a rule missing from the
-  model: a factor, not percent) fails here."""
+  model: a factor, not percent) fails here. Costs and runs are compiled alike, with the
+  test suite's compile-time XLA flags (conftest.fast_xla_env): what is checked is the
+  model against the programs measured, whichever programs they are."""
+  env = conftest.fast_xla_env(dict(os.environ, TMPDIR=str(tmp_path)))  # (its workdir)
   out = subprocess.run([sys.executable, "-m", "jaxvla.plan", "--validate", "--quick"],
-                       cwd=ROOT, capture_output=True, text=True, check=True,
-                       env=dict(os.environ, TMPDIR=str(tmp_path))).stdout  # (its workdir)
+                       cwd=ROOT, capture_output=True, text=True, check=True, env=env).stdout
   report = json.loads(out.strip().splitlines()[-1])
   assert [r["mode"] for r in report["rows"]] == ["sync_colocated", "+streamer"]
   for row in report["rows"]:

@@ -43,6 +43,7 @@ class Row:
   modes: tuple[str, ...] = ("sync_colocated", "+streamer")
   processes: int = 1
   updates: int = 8
+  measure_seconds: float = 3.0  # Per stage-cost measurement (--measure_seconds).
 
   def load(self) -> ml_collections.ConfigDict:
     path, _, arg = self.config.partition(":")
@@ -71,13 +72,15 @@ ROWS = (
 QUICK_ROWS = (
     Row("ColorReach (bench), 16 envs / 4 workers, k=1", "configs/default.py:bench",
         (("num_envs", 16), ("env_workers", 4), ("pipeline.b_max", 4)),
-        modes=("sync_colocated", "+streamer"), updates=6),
+        modes=("sync_colocated", "+streamer"), updates=4, measure_seconds=1.0),
 )
 
 
 def _env() -> dict[str, str]:
+  """The environment of the measured runs: the caller's, with :data:`XLA_FLAGS` added to
+  its ``XLA_FLAGS`` (the costs and the benchmark see the same compiler settings)."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = XLA_FLAGS
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip()
   return env
 
 
@@ -96,7 +99,8 @@ def _last_json(stdout: str) -> dict:
 def measure_row(row: Row, workdir: str) -> tuple[costs_lib.Costs, list[dict]]:
   """The row's measured stage costs and its benchmark rows (one per mode)."""
   costs_path = os.path.join(workdir, "costs.json")
-  _run([sys.executable, "-m", "jaxvla.plan", *row.flags(), f"--measure={costs_path}"])
+  _run([sys.executable, "-m", "jaxvla.plan", *row.flags(), f"--measure={costs_path}",
+        f"--measure_seconds={row.measure_seconds}"])
   common = [*row.flags(), f"--modes={','.join(row.modes)}", f"--updates={row.updates}",
             "--warmup=2"]
   if row.processes == 1:
