@@ -65,13 +65,30 @@ workers="${JAXVLA_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
 
 failed=()
 
+# children_cpu_s: sets cpu_s to the user + system CPU seconds of this shell's finished
+# children (bash's `times`, second line "XmY.YYYs XmY.YYYs"), whole seconds. `times`
+# must run in this shell (a subshell's children are its own), hence the file.
+children_cpu_s() {
+  times >"$times_file"
+  cpu_s=$(awk 'NR == 2 {
+    total = 0
+    for (i = 1; i <= 2; i++) { split($i, p, "m"); total += p[1] * 60 + p[2] }
+    printf "%d", total }' "$times_file")
+}
+times_file=$(mktemp)
+trap 'rm -f "$times_file"' EXIT
+
 # run_step NAME PYTEST_ARGS...: runs pytest with stdin closed (a test that prompts fails
 # instead of hanging) and records a failure for any non-zero exit, 5 included.
 run_step() {
-  local name=$1 rc=0
+  local name=$1 rc=0 start=$SECONDS cpu0
   shift
   echo "=== test.sh: step '$name': pytest $*" >&2
+  children_cpu_s
+  cpu0=$cpu_s
   "$ROOT/.venv/bin/python" -m pytest "$@" </dev/null || rc=$?
+  children_cpu_s
+  echo "=== test.sh: step '$name' took $((SECONDS - start)) s, $((cpu_s - cpu0)) CPU-s" >&2
   if ((rc == 5)); then
     echo "=== test.sh: step '$name' collected no tests; counted as a failure" >&2
   fi
