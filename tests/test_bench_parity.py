@@ -26,6 +26,17 @@ def test_run_configs_differ_only_in_the_pipeline(levels):
     parity.run_config(base, 4, "4", levels)
 
 
+def test_runs_the_config_cannot_make_are_refused_before_any_runs():
+  from configs import maniskill  # pylint: disable=import-outside-toplevel
+  base = maniskill.get_config("flow_rl_short")  # 16 envs / 8 per item: 2 items, 4 minibatches
+  parity.check_runs(base, [0, 1], [parity.SYNC, "k4"], "l1", 2)
+  with pytest.raises(ValueError, match=r"--pipelines=k4 \(--levels=full\): "
+                                       r"config.ppo.num_minibatches"):
+    parity.check_runs(base, [0, 1], [parity.SYNC, "k4"], "full", 2)
+  base.pipeline.micro_batch_segments = 2
+  parity.check_runs(base, [0, 1], [parity.SYNC, "k4"], "full", 2)
+
+
 def test_table_has_means_and_gaps_to_sync():
   run = lambda s, st: dict(success_rate=s, warm_start_success_rate=0.3, staleness_mean=st)
   results = {"seed1/sync": run(0.9, 0.0), "seed1/k4": run(0.8, 3.9),

@@ -88,6 +88,24 @@ def run_config(base: ml_collections.ConfigDict, seed: int, pipeline: str, levels
   return c
 
 
+def check_runs(base: ml_collections.ConfigDict, seeds: list[int], pipelines: list[str],
+               levels: str, env_workers: int, correction: str = "decoupled") -> None:
+  """Every run's config checked before any runs, so that a pipeline the config cannot
+  make (e.g. a streamer whose minibatches do not divide the update's queue items) fails
+  at the start, not after the warm starts and the runs before it.
+
+  Raises:
+    ValueError: naming the pipeline and the config key.
+  """
+  for pipeline in pipelines:
+    for seed in seeds:
+      c = run_config(base, seed, pipeline, levels, env_workers, correction)
+      try:
+        config_checks.validate(c)
+      except ValueError as e:
+        raise ValueError(f"--pipelines={pipeline} (--levels={levels}): {e}") from None
+
+
 def run_seed(base: ml_collections.ConfigDict, out: str, seed: int, pipelines: list[str],
              levels: str, env_workers: int, results: dict, warm_root: str,
              correction: str = "decoupled") -> None:
@@ -175,8 +193,7 @@ def main(argv: list[str]) -> None:
   os.makedirs(out, exist_ok=True)
   seeds = [int(s) for s in f.seeds]
   pipelines = list(f.pipelines)
-  for p in pipelines:
-    parse_pipeline(p)
+  check_runs(f.config, seeds, pipelines, f.levels, f.env_workers, f.correction)
   path = os.path.join(out, "results.json")
   results = json.load(open(path)) if os.path.exists(path) else {}
   for seed in seeds:
