@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -215,6 +216,28 @@ def test_the_command_simulates_a_config_from_a_costs_file(tmp_path):
   result = json.loads(out.strip().splitlines()[-1])
   assert result["setup"] == "L1+L2+L3" and result["env_steps_per_s"] > 0
   assert math.isfinite(result["efficiency"])
+
+
+def test_validate_compares_medians_over_repeats(tmp_path, monkeypatch):
+  """Each repeat measures costs and runs anew; the row compares the medians and carries
+  every measured figure and their spread."""
+  from jaxvla.plan import validate  # pylint: disable=import-outside-toplevel
+  measured = iter([100.0, 130.0, 110.0])  # three repeats of one mode
+  predicted = iter([120.0, 118.0, 200.0])
+  monkeypatch.setattr(validate, "measure_row", lambda row, d: (
+      None, [dict(env_steps_per_s=next(measured), staleness_mean=0.5)]))
+  monkeypatch.setattr(validate, "predict", lambda row, costs, mode: types.SimpleNamespace(
+      env_steps_per_s=next(predicted), staleness_mean=0.7))
+  row = validate.Row("r", "configs/default.py:bench", modes=("sync_colocated",))
+  report = validate.validate((row,), str(tmp_path), repeats=3)
+  (line,) = report["rows"]
+  assert line["measured_runs"] == [100.0, 130.0, 110.0]
+  assert line["measured_env_steps_per_s"] == 110.0 and line["predicted_env_steps_per_s"] == 120.0
+  assert line["relative_error"] == pytest.approx(120 / 110 - 1)
+  assert line["measured_spread"] == pytest.approx(30 / 110)
+  assert line["staleness_error"] == pytest.approx(0.2) and line["within"]
+  with pytest.raises(ValueError, match="--repeats must be >= 1"):
+    validate.validate((row,), str(tmp_path), repeats=0)
 
 
 @pytest.mark.slow  # Measures a config, then benchmarks two modes: about a minute.

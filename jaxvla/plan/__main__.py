@@ -40,6 +40,9 @@ _NETWORK_GBS = flags.DEFINE_float(
     "--accelerators: network GB/s per accelerator between machines (the gradient reduction).")
 _PLOT = flags.DEFINE_string("plot", "", "--accelerators: draw the plans beside RL-VLA3's here.")
 _MEASURE_SECONDS = flags.DEFINE_float("measure_seconds", 3.0, "Seconds per measurement.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", None, "--validate: measure and simulate each row this many times and compare "
+    "the medians (default 3; 1 with --quick).")
 
 
 def main(argv):
@@ -47,7 +50,13 @@ def main(argv):
   config = FLAGS.config
   if _VALIDATE.value:
     print(validate.header(), flush=True)
-    report = validate.validate(validate.QUICK_ROWS if _QUICK.value else validate.ROWS)
+    repeats = _REPEATS.value
+    if repeats is None:
+      repeats = 1 if _QUICK.value else validate.REPEATS
+    if repeats < 1:
+      raise app.UsageError(f"--repeats must be >= 1, got {repeats}")
+    report = validate.validate(validate.QUICK_ROWS if _QUICK.value else validate.ROWS,
+                               repeats=repeats)
     print(json.dumps(report))
     return
   if _MEASURE.value:

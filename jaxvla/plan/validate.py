@@ -8,17 +8,21 @@ process count), in subprocesses so that each measurement starts alone:
    runs each mode and measures env steps/s and the mean staleness;
 3. :func:`jaxvla.plan.simulator.simulate` predicts the same from the costs alone.
 
-A row holds when the prediction is within :data:`THROUGHPUT_TOLERANCE` of the measured
-env steps/s (relative) and within :data:`STALENESS_TOLERANCE` of its mean staleness.
+Steps 1 to 3 run ``repeats`` times per row (:data:`REPEATS` by default). A row holds
+when the median prediction is within :data:`THROUGHPUT_TOLERANCE` of the median
+measured env steps/s (relative) and within :data:`STALENESS_TOLERANCE` of its mean
+staleness.
 Both runs use :data:`XLA_FLAGS` (one thread per XLA computation, as the benchmark's
 documented figures do), so an XLA computation is one core's work in both.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +36,9 @@ from jaxvla.plan import simulator
 
 THROUGHPUT_TOLERANCE = 0.15
 STALENESS_TOLERANCE = 0.5
+# Measurements per row: single benchmark runs of one row moved by up to 25% between two
+# validations on one quiet machine (docs/results/scaling.md), more than the tolerance.
+REPEATS = 3
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
@@ -119,35 +126,49 @@ def predict(row: Row, costs: costs_lib.Costs, mode: str, updates: int = 40
   return simulator.simulate(setup, costs, updates=updates)
 
 
-def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None) -> dict:
-  """Measures and predicts every row; returns the report (also the command's JSON)."""
+def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None,
+             repeats: int = 1) -> dict:
+  """Measures and predicts every row ``repeats`` times (costs and benchmark each time);
+  compares the median prediction with the median measurement. Returns the report (also
+  the command's JSON), each line with every repeat's measured figure and their spread
+  ((max - min) / median): the machine's own run-to-run noise, beside the tolerance."""
+  if repeats < 1:
+    raise ValueError(f"--repeats must be >= 1, got {repeats}")
   workdir = workdir or tempfile.mkdtemp(prefix="jaxvla_plan_validate_")
   lines = []
   for k, row in enumerate(rows):
-    row_dir = os.path.join(workdir, f"row{k}")
-    os.makedirs(row_dir, exist_ok=True)
-    costs, measured = measure_row(row, row_dir)
-    for mode, got in zip(row.modes, measured):
-      sim = predict(row, costs, mode)
-      error = sim.env_steps_per_s / got["env_steps_per_s"] - 1
-      stale_error = sim.staleness_mean - got["staleness_mean"]
+    runs = collections.defaultdict(list)  # mode -> [(measured row, simulator.Result)]
+    for r in range(repeats):
+      row_dir = os.path.join(workdir, f"row{k}", f"repeat{r}")
+      os.makedirs(row_dir, exist_ok=True)
+      costs, measured = measure_row(row, row_dir)
+      for mode, got in zip(row.modes, measured):
+        runs[mode].append((got, predict(row, costs, mode)))
+    for mode in row.modes:
+      got = [g["env_steps_per_s"] for g, _ in runs[mode]]
+      sim = [p.env_steps_per_s for _, p in runs[mode]]
+      measured, predicted = statistics.median(got), statistics.median(sim)
+      stale_measured = statistics.median(g["staleness_mean"] for g, _ in runs[mode])
+      stale_predicted = statistics.median(p.staleness_mean for _, p in runs[mode])
+      error, stale_error = predicted / measured - 1, stale_predicted - stale_measured
       lines.append(dict(
-          row=row.name, mode=mode, processes=row.processes,
-          measured_env_steps_per_s=got["env_steps_per_s"],
-          predicted_env_steps_per_s=sim.env_steps_per_s, relative_error=error,
-          measured_staleness=got["staleness_mean"], predicted_staleness=sim.staleness_mean,
+          row=row.name, mode=mode, processes=row.processes, repeats=repeats,
+          measured_env_steps_per_s=measured, predicted_env_steps_per_s=predicted,
+          measured_runs=got, predicted_runs=sim,
+          measured_spread=(max(got) - min(got)) / measured, relative_error=error,
+          measured_staleness=stale_measured, predicted_staleness=stale_predicted,
           staleness_error=stale_error,
           within=abs(error) <= THROUGHPUT_TOLERANCE and abs(stale_error) <= STALENESS_TOLERANCE))
-      print(f"{row.name:<52}{mode:<16}{got['env_steps_per_s']:>9.1f}{sim.env_steps_per_s:>9.1f}"
-            f"{error:>+8.1%}{got['staleness_mean']:>7.2f}{sim.staleness_mean:>7.2f}"
+      print(f"{row.name:<52}{mode:<16}{measured:>9.1f}{predicted:>9.1f}{error:>+8.1%}"
+            f"{stale_measured:>7.2f}{stale_predicted:>7.2f}{lines[-1]['measured_spread']:>8.0%}"
             f"{'  ok' if lines[-1]['within'] else '  OUT'}", flush=True)
   return dict(
       rows=lines, largest_relative_error=max(abs(x["relative_error"]) for x in lines),
       largest_staleness_error=max(abs(x["staleness_error"]) for x in lines),
-      all_within=all(x["within"] for x in lines), workdir=workdir,
+      all_within=all(x["within"] for x in lines), workdir=workdir, repeats=repeats,
       tolerance=dict(relative=THROUGHPUT_TOLERANCE, staleness=STALENESS_TOLERANCE))
 
 
 def header() -> str:
   return (f"{'row':<52}{'mode':<16}{'measured':>9}{'sim':>9}{'error':>8}{'stale':>7}"
-          f"{'sim':>7}")
+          f"{'sim':>7}{'spread':>8}")
