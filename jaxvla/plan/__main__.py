@@ -4,7 +4,8 @@
   python -m jaxvla.plan --config=configs/default.py:bench --measure=/tmp/costs.json
   # predict the config's run from them (its mode, envs, workers, staleness, processes)
   python -m jaxvla.plan --config=configs/default.py:bench --costs=/tmp/costs.json
-  # the simulator against measured runs on this machine (JSON: the largest error)
+  # the simulator against measured runs on this machine (JSON: the largest error), each
+  # row measured 3 times and the medians compared (--repeats=N)
   python -m jaxvla.plan --validate
   # the placement for N accelerators, from the measured H100 figures
   python -m jaxvla.plan --config=configs/libero_bench.py:pi0 --accelerators=64
