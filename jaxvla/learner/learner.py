@@ -130,7 +130,7 @@ def rl_decay_steps(config: ml_collections.ConfigDict, num_processes: int = 1) ->
   return max(1, rl_optimizer_steps(config, num_processes) - config.ppo.critic_warmup_steps)
 
 
-def make_optimizer(learning_rate: float | optax.Schedule, max_grad_norm: float,
+def make_optimizer(learning_rate: float, max_grad_norm: float,
                    b1: float = 0.9, *, critic_learning_rate: float = 0.0,
                    critic_warmup_steps: int = 0,
                    decay_steps: int = 0) -> optax.GradientTransformation:
@@ -142,7 +142,7 @@ def make_optimizer(learning_rate: float | optax.Schedule, max_grad_norm: float,
   ``critic_learning_rate`` (0: ``learning_rate``), the actor's at ``learning_rate``
   after its first ``critic_warmup_steps`` optimizer steps, at 0 before them (the
   global-norm clip still sees both gradients). Without either, one Adam over all.
-  With ``decay_steps > 0`` (a float ``learning_rate`` only) the actor's step falls
+  With ``decay_steps > 0`` the actor's step falls
   linearly from ``learning_rate`` to 0 over that many steps after the warm-up, and
   stays at 0 beyond them (one Adam over all: the critic's falls with it).
   """
@@ -153,7 +153,7 @@ def make_optimizer(learning_rate: float | optax.Schedule, max_grad_norm: float,
   if not critic_learning_rate and not critic_warmup_steps:
     return optax.chain(clip, optax.adam(actor_lr, b1=b1))
   if critic_warmup_steps:
-    after = (actor_lr if decay_steps else optax.constant_schedule(learning_rate))
+    after = actor_lr if decay_steps else optax.constant_schedule(learning_rate)
     actor_lr = optax.join_schedules([optax.constant_schedule(0.0), after],
                                     [critic_warmup_steps])
   critic = optax.adam(critic_learning_rate or learning_rate, b1=b1)
