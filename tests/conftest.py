@@ -23,9 +23,11 @@ def pytest_collection_modifyitems(config, items):
   short runs and stood idle. Dealt, each worker's share starts with its own long test
   (on 2 cores that step is CPU-bound, so it took about as long either way: 10.5 and
   10.8 minutes; with more cores the dealt order is the faster one). The slow step's
-  ranks 0..7 deal its eight tests so that each of two workers holds about half of the
-  work (ManiSkill3 learning run, notebook, install, gpu_check dry run | parity run,
-  fault injection, sharded step, replay).
+  ranks 0..7 (and the planner's check, unranked, last) deal its nine tests so that each
+  of two workers holds about half of the work, from the durations of a fresh clone's
+  run: ManiSkill3 learning run (about 600 s beside the others), notebook (75), install
+  (22), sharded step (49) | parity run (291), fault injection (88), gpu_check dry run
+  (134), replay (146), planner (111).
   """
   items.sort(key=_rank)
   workers = getattr(config, "workerinput", {}).get("workercount", 1)
