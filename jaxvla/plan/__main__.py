@@ -54,10 +54,11 @@ def main(argv):
     repeats = _REPEATS.value
     if repeats is None:
       repeats = 1 if _QUICK.value else validate.REPEATS
-    if repeats < 1:
-      raise app.UsageError(f"--repeats must be >= 1, got {repeats}")
-    report = validate.validate(validate.QUICK_ROWS if _QUICK.value else validate.ROWS,
-                               repeats=repeats)
+    try:
+      report = validate.validate(validate.QUICK_ROWS if _QUICK.value else validate.ROWS,
+                                 repeats=repeats)
+    except ValueError as e:  # (validate checks --repeats before measuring anything)
+      raise app.UsageError(str(e)) from e
     print(json.dumps(report))
     return
   if _MEASURE.value:
