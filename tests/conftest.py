@@ -11,6 +11,7 @@ sys.path.insert(0, ROOT)
 from configs import default  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)  # After pytest's own -m / -k deselection (see below).
 def pytest_collection_modifyitems(config, items):
   """Tests marked ``run_first`` first, by rank (the learning runs, minutes each, are rank
   0), stable otherwise: with parallel workers (``launch/test.sh``), a long test started
@@ -18,16 +19,17 @@ def pytest_collection_modifyitems(config, items):
 
   Under pytest-xdist the order is also dealt out over the workers. Its ``worksteal``
   scheduler first gives each worker a contiguous share of the list, and it steals
-  from a queue only when more than 2 tests wait there. So the slow step's 4 tests
-  ran as two learning runs in a row on one worker while the other finished its two
-  short runs and stood idle. Dealt, each worker's share starts with its own long test
-  (on 2 cores that step is CPU-bound, so it took about as long either way: 10.5 and
-  10.8 minutes; with more cores the dealt order is the faster one). The slow step's
-  ranks 0..7 (and the planner's check, unranked, last) deal its nine tests so that each
-  of two workers holds about half of the work, from the durations of a fresh clone's
-  run: ManiSkill3 learning run (about 600 s beside the others), notebook (75), install
-  (22), sharded step (49) | parity run (291), fault injection (88), gpu_check dry run
-  (134), replay (146), planner (111).
+  from a queue only when more than 2 tests wait there, so two long tests in one share
+  run one after the other while the other worker idles. Dealt, each worker's share
+  starts with its own long test. The hook runs last (``trylast``) so that it deals the
+  step's own tests: dealt before ``-m`` deselected the rest of the suite's ~500, the
+  slow step's shares came out arbitrary, and its two learning runs ran in a row on one
+  worker (762 of the step's 776 s, the other worker done 4 minutes earlier). The slow
+  step's ranks 0..7 (and the planner's check, unranked, last) deal its nine tests so
+  that each of two workers holds about half of the work, from a fresh clone's
+  durations: ManiSkill3 learning run (about 520 s beside the others), notebook (70),
+  install (32), sharded step (34) | parity run (247), fault injection (104), gpu_check
+  dry run (97), replay (124), planner (101).
   """
   items.sort(key=_rank)
   workers = getattr(config, "workerinput", {}).get("workercount", 1)
