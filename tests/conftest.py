@@ -24,12 +24,14 @@ def pytest_collection_modifyitems(config, items):
   starts with its own long test. The hook runs last (``trylast``) so that it deals the
   step's own tests: dealt before ``-m`` deselected the rest of the suite's ~500, the
   slow step's shares came out arbitrary, and its two learning runs ran in a row on one
-  worker (762 of the step's 776 s, the other worker done 4 minutes earlier). The slow
-  step's ranks 0..7 (and the planner's check, unranked, last) deal its nine tests so
-  that each of two workers holds about half of the work, from a fresh clone's
-  durations: ManiSkill3 learning run (about 520 s beside the others), notebook (70),
-  install (32), sharded step (34) | parity run (247), fault injection (104), gpu_check
-  dry run (97), replay (124), planner (101).
+  worker while the other ran the rest. On 2 cores that step is CPU-bound, so it took
+  as long either way (776 s dealt wrongly, 780 s dealt right: 1,444 and 1,449
+  CPU-seconds); where each worker has a core of its own, the dealt order is the faster
+  one. The slow step's ranks 0..7 (and the planner's check, unranked, last) deal its
+  nine tests so that each of two workers holds about half of the work, from a fresh
+  clone's durations: ManiSkill3 learning run (about 520 s beside the others), notebook
+  (70), install (32), sharded step (34) | parity run (247), fault injection (104),
+  gpu_check dry run (97), replay (124), planner (101).
   """
   items.sort(key=_rank)
   workers = getattr(config, "workerinput", {}).get("workercount", 1)
