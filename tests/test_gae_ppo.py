@@ -9,6 +9,7 @@ import pytest
 
 from jaxvla.algorithms import gae, ppo
 from jaxvla.learner import objectives
+from jaxvla.learner import update as update_lib
 from jaxvla.models import contract
 
 # ppo's critic-loss and weight-clip keys (hand-built configs below)
@@ -568,3 +569,40 @@ def test_per_term_rows_and_their_fresh_gradient_equal_the_joint_ones(smoke_confi
   _, metrics = lrn.update(state, traj)
   assert metrics["nonfinite"] == 0 and float(metrics["approx_kl"]) > 0
   np.testing.assert_allclose(float(metrics["is_weight"]), 1.0, atol=1e-3)
+
+
+def test_grad_norms_by_part_split_the_whole_norm_by_module_expert_and_layer():
+  """Parts in openpi's pi0 layout against NumPy: ``PaliGemma``'s second level, the
+  ``_1`` (action expert) leaves of the ``llm`` apart, stacked layers per layer; the
+  parts' squares add up to the whole norm's."""
+  rng = np.random.default_rng(0)
+  a = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  g = {"PaliGemma": {"img": {"head": {"kernel": a(3, 4)}},
+                     "llm": {"embedder": {"input_embedding": a(6, 4)},
+                             "final_norm_1": {"scale": a(4)},
+                             "layers": {"attn": {"q_einsum": {"w": a(2, 3, 4)},
+                                                 "q_einsum_1": {"w": a(2, 3, 4)}},
+                                        "mlp_1": {"linear": a(2, 5)}}}},
+       "action_out_proj": {"kernel": a(4, 3), "bias": a(3)},
+       "rl": {"value_out": {"kernel": a(4, 1)}}}
+  got = jax.device_get(update_lib.grad_norms_by_part(jax.tree.map(jnp.asarray, g)))
+  llm, layers = g["PaliGemma"]["llm"], g["PaliGemma"]["llm"]["layers"]
+  sq = lambda *xs: sum(float(np.sum(np.square(x, dtype=np.float64))) for x in xs)
+  want = {
+      "grad_norm/img": sq(g["PaliGemma"]["img"]["head"]["kernel"]),
+      "grad_norm/llm": sq(llm["embedder"]["input_embedding"], layers["attn"]["q_einsum"]["w"]),
+      "grad_norm/llm_expert": sq(llm["final_norm_1"]["scale"], layers["attn"]["q_einsum_1"]["w"],
+                                 layers["mlp_1"]["linear"]),
+      "grad_norm/action_out_proj": sq(*g["action_out_proj"].values()),
+      "grad_norm/rl": sq(g["rl"]["value_out"]["kernel"]),
+  }
+  for i in range(2):
+    want[f"grad_norm/llm/layer{i}"] = sq(layers["attn"]["q_einsum"]["w"][i])
+    want[f"grad_norm/llm_expert/layer{i}"] = sq(layers["attn"]["q_einsum_1"]["w"][i],
+                                                layers["mlp_1"]["linear"][i])
+  assert set(got) == set(want)
+  for k, v in want.items():
+    np.testing.assert_allclose(got[k], np.sqrt(v), rtol=1e-5, err_msg=k)
+  parts = [k for k in want if "/layer" not in k]
+  np.testing.assert_allclose(np.sqrt(sum(got[k] ** 2 for k in parts)),
+                             float(optax.tree.norm(jax.tree.map(jnp.asarray, g))), rtol=1e-5)

@@ -372,6 +372,8 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
   # the proximal pass's diagnostics too.
   assert lrn._apply_jit._cache_size() == 1  # pylint: disable=protected-access
   keys = ["loss", "policy_loss", "value_loss", "approx_kl", "clip_frac", "grad_norm"]
+  keys += [k for k in ref_metrics if k.startswith("grad_norm/")]  # (per part)
+  assert "grad_norm/llm_expert/layer1" in keys, keys
   if value_targets == "learner":  # (the staleness diagnostics need the proximal pass)
     keys += ["value_drift", "kl_behaviour_proximal"]
   for k in keys:
