@@ -571,7 +571,7 @@ def test_per_term_rows_and_their_fresh_gradient_equal_the_joint_ones(smoke_confi
   np.testing.assert_allclose(float(metrics["is_weight"]), 1.0, atol=1e-3)
 
 
-def test_grad_norms_by_part_split_the_whole_norm_by_module_expert_and_layer():
+def test_grad_norms_split_the_whole_norm_by_module_expert_and_layer():
   """Parts in openpi's pi0 layout against NumPy: ``PaliGemma``'s second level, the
   ``_1`` (action expert) leaves of the ``llm`` apart, stacked layers per layer; the
   parts' squares add up to the whole norm's."""
@@ -585,7 +585,7 @@ def test_grad_norms_by_part_split_the_whole_norm_by_module_expert_and_layer():
                                         "mlp_1": {"linear": a(2, 5)}}}},
        "action_out_proj": {"kernel": a(4, 3), "bias": a(3)},
        "rl": {"value_out": {"kernel": a(4, 1)}}}
-  got = jax.device_get(update_lib.grad_norms_by_part(jax.tree.map(jnp.asarray, g)))
+  got = jax.device_get(update_lib.grad_norms(jax.tree.map(jnp.asarray, g)))
   llm, layers = g["PaliGemma"]["llm"], g["PaliGemma"]["llm"]["layers"]
   sq = lambda *xs: sum(float(np.sum(np.square(x, dtype=np.float64))) for x in xs)
   want = {
@@ -600,9 +600,10 @@ def test_grad_norms_by_part_split_the_whole_norm_by_module_expert_and_layer():
     want[f"grad_norm/llm/layer{i}"] = sq(layers["attn"]["q_einsum"]["w"][i])
     want[f"grad_norm/llm_expert/layer{i}"] = sq(layers["attn"]["q_einsum_1"]["w"][i],
                                                 layers["mlp_1"]["linear"][i])
-  assert set(got) == set(want)
+  assert set(got) == set(want) | {"grad_norm"}
   for k, v in want.items():
     np.testing.assert_allclose(got[k], np.sqrt(v), rtol=1e-5, err_msg=k)
   parts = [k for k in want if "/layer" not in k]
-  np.testing.assert_allclose(np.sqrt(sum(got[k] ** 2 for k in parts)),
-                             float(optax.tree.norm(jax.tree.map(jnp.asarray, g))), rtol=1e-5)
+  whole = float(optax.tree.norm(jax.tree.map(jnp.asarray, g)))
+  np.testing.assert_allclose(got["grad_norm"], whole, rtol=1e-5)
+  np.testing.assert_allclose(np.sqrt(sum(got[k] ** 2 for k in parts)), whole, rtol=1e-5)

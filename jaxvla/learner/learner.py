@@ -505,8 +505,7 @@ class Learner:
     scale = ppo.step_scale(self.ppo_config.step_scale, metrics)
     params = self.rl_trainable.merge(
         state.params, optax.apply_updates(trained, jax.tree.map(lambda u: scale * u, updates)))
-    out = dict(update_lib.grad_norms_by_part(grads), grad_norm=optax.tree.norm(grads),
-               skipped=jnp.zeros(()), step_scale=scale)
+    out = dict(update_lib.grad_norms(grads), skipped=jnp.zeros(()), step_scale=scale)
     step = state.step + bump_version.astype(state.step.dtype)
     new = state.replace(step=step, params=params, opt_state=opt_state)
     new, nonfinite = _guard(state, new, metrics["loss"], out["grad_norm"])

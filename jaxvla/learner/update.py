@@ -8,8 +8,9 @@ minibatches are skipped. With the decoupled correction and more than one
 optimizer step, the proximal policy is the params before the update (their
 log-probs are computed once, per minibatch of rows).
 
-:func:`grad_norms_by_part`: the gradient's norm per part of the network (the
-metrics ``grad_norm/<part>`` of both updates), to see where an RL gradient goes.
+:func:`grad_norms`: the gradient's norm, whole and per part of the network (the
+metrics ``grad_norm`` and ``grad_norm/<part>`` of both updates), to see where an RL
+gradient goes.
 
 :func:`micro_grads`: the streamed learner's gradient of one micro-batch with
 global row weights; the micro-batches' gradients and metrics add up to those of
@@ -90,7 +91,7 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
 
   Returns:
     ``(params, opt_state, metrics)``: metrics are means over minibatches of the
-    loss terms, ``grad_norm`` (and per part, :func:`grad_norms_by_part`) and
+    loss terms, ``grad_norm`` (whole and per part, :func:`grad_norms`) and
     ``skipped``, plus ``objective.batch_metrics``.
 
   Raises:
@@ -127,8 +128,8 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
     sub, opt_state = keep(new_sub, sub), keep(new_opt_state, opt_state)
     if cfg.target_kl > 0:
       stop = stop | (metrics["approx_kl"] > cfg.target_kl)
-    metrics = dict(metrics, **grad_norms_by_part(grads), grad_norm=optax.tree.norm(grads),
-                   skipped=stop.astype(jnp.float32), step_scale=scale)
+    metrics = dict(metrics, **grad_norms(grads), skipped=stop.astype(jnp.float32),
+                   step_scale=scale)
     return (sub, opt_state, stop), metrics
 
   def epoch(carry, key):
@@ -185,35 +186,37 @@ def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, da
   return grads, metrics
 
 
-def grad_norms_by_part(grads) -> dict[str, jax.Array]:
-  """The gradient's norm per part of the trained tree (``grad_norm`` is the whole's).
+def grad_norms(grads) -> dict[str, jax.Array]:
+  """The gradient's norm, whole (``grad_norm``) and per part of the trained tree.
 
   Where a whole-network RL gradient goes: a part is a top-level module
   (``action_out_proj``, ``state_proj``, ``rl``, ...) or, under openpi's ``PaliGemma``,
   ``img`` and ``llm``; the ``llm``'s leaves named with openpi's ``_1`` suffix (the
   action expert's weights) are the part ``llm_expert``. A part's stacked ``layers``
-  (leading axis: the layer) is also split per layer.
+  (leading axis: the layer) is also split per layer. The whole is the parts' squares
+  summed, so each leaf is reduced once.
 
   Args:
     grads: a nested dict of gradient arrays (the trained subtree's).
 
   Returns:
-    ``{"grad_norm/<part>": norm}`` and ``{"grad_norm/<part>/layer<i>": norm}``, scalars.
+    ``grad_norm``, ``grad_norm/<part>`` and ``grad_norm/<part>/layer<i>``, scalars.
   """
-  squares: dict[str, jax.Array] = {}
+  parts: dict[str, jax.Array] = {}
+  layers: dict[str, jax.Array] = {}  # part -> [L] squared norms
   for path, g in traverse_util.flatten_dict(grads).items():
     g = jnp.square(g.astype(jnp.float32))
     part = path[1] if path[0] == "PaliGemma" and len(path) > 2 else path[0]
     if part == "llm" and any(str(key).endswith("_1") for key in path[2:]):
       part = "llm_expert"
-    squares[part] = squares.get(part, 0.0) + jnp.sum(g)
-    if "layers" in path and g.ndim > 1:
+    if "layers" in path and g.ndim >= 1:
       per_layer = jnp.sum(g, axis=tuple(range(1, g.ndim)))
-      squares[f"{part}/layer"] = squares.get(f"{part}/layer", 0.0) + per_layer
-  out = {}
-  for name, sq in squares.items():
-    if name.endswith("/layer"):
-      out.update({f"grad_norm/{name}{i}": jnp.sqrt(sq[i]) for i in range(sq.shape[0])})
+      layers[part] = layers.get(part, 0.0) + per_layer
+      parts[part] = parts.get(part, 0.0) + jnp.sum(per_layer)
     else:
-      out[f"grad_norm/{name}"] = jnp.sqrt(sq)
+      parts[part] = parts.get(part, 0.0) + jnp.sum(g)
+  out = {"grad_norm": jnp.sqrt(sum(parts.values()))}
+  out.update({f"grad_norm/{part}": jnp.sqrt(sq) for part, sq in parts.items()})
+  for part, sq in layers.items():
+    out.update({f"grad_norm/{part}/layer{i}": jnp.sqrt(sq[i]) for i in range(sq.shape[0])})
   return out
