@@ -179,6 +179,18 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
            "(leave it 'rollout')")
   _require(c.ppo.advantage_norm in ("minibatch", "none"), "ppo.advantage_norm",
            f"must be 'minibatch' or 'none', got {c.ppo.advantage_norm!r}")
+  r = c.ppo.kl_detail_rows
+  _require(0 <= r <= c.num_envs * c.rollout_len, "ppo.kl_detail_rows",
+           f"must be in [0, num_envs * rollout_len = {c.num_envs * c.rollout_len}], got {r}")
+  if r:
+    _require(c.algorithm == "ppo", "ppo.kl_detail_rows",
+             "scores PPO's chunk rows; GRPO's rows are whole episodes (set it to 0)")
+    _require(c.model.name in ("pi0", "pi05") and c.model.train_sampler in denoise.GAUSSIAN,
+             "ppo.kl_detail_rows", f"scores a flow's Gaussian steps ({denoise.GAUSSIAN} train "
+             f"samplers); model {c.model.name!r} with train_sampler "
+             f"{c.model.train_sampler!r} has none (set it to 0)")
+    _require(not (on and p.streamer), "ppo.kl_detail_rows",
+             "the streamed learner never holds a whole update's rows (set it to 0)")
   if on and p.streamer:
     items = c.num_envs // m
     _require(c.ppo.num_epochs == STREAMER_PPO["num_epochs"], "ppo.num_epochs",

@@ -207,6 +207,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'ess': scale each optimizer step by the effective sample size fraction of its
   # importance weights, mean(w)^2 / mean(w^2) (1 on fresh data, less the staler it is).
   c.ppo.step_scale = "none"  # Step size under staleness: 'none', 'ess' or 'staleness'.
+  # Diagnostics: score this many of each update's rows under the params before and after
+  # it, per denoise step and action dim (update_kl/step<k>, /dim<a>; flow samplers, PPO's
+  # epochs update; two forward passes of the chain over these rows per update). 0: off.
+  c.ppo.kl_detail_rows = 0
 
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.mode = "sync_colocated"  # 'sync_colocated', 'sync_disaggregated' or 'async'.

@@ -119,6 +119,28 @@ def test_one_sde_step_needs_a_gaussian_flow_sampler():
     config_checks.validate(c)
 
 
+def test_kl_detail_needs_ppo_on_a_gaussian_flow_and_the_epochs_update():
+  c = default.get_config()
+  c.ppo.kl_detail_rows = c.num_envs * c.rollout_len  # (every row: allowed)
+  config_checks.validate(c)
+  bad = [(dict(kl_detail_rows=c.num_envs * c.rollout_len + 1), "must be in \\[0, num_envs"),
+         (dict(algorithm="grpo"), "GRPO's rows"),
+         (dict(train_sampler="residual"), "train_sampler 'residual' has none"),
+         (dict(streamer=True), "streamed learner")]
+  for change, match in bad:
+    c = default.get_config()
+    c.ppo.kl_detail_rows = change.pop("kl_detail_rows", 4)
+    if change.pop("algorithm", None):
+      c.algorithm, c.env.group_size = "grpo", 2
+    if change.pop("train_sampler", None):
+      c.model.train_sampler, c.model.eval_sampler = "residual", "residual_mean"
+    if change.pop("streamer", None):
+      c.pipeline.update(mode="async", streamer=True, rollout_async=False)
+      c.ppo.update(num_epochs=1, advantage_norm="none")
+    with pytest.raises(ValueError, match="config.ppo.kl_detail_rows.*" + match):
+      config_checks.validate(c)
+
+
 def test_init_checkpoint_needs_a_pi0_family_model():
   c = default.get_config()
   c.model.name, c.model.init_checkpoint = "action_token_vla", "ckpt/params"

@@ -220,3 +220,38 @@ def test_policy_one_sde_step_and_detached_value(smoke_config):
                 jax.tree_util.tree_flatten_with_path(grads)[0]), jax.tree.leaves(grads))}
   assert all(v == 0 for p, v in norms.items() if not p.startswith("rl/value_")), norms
   assert any(v > 0 for p, v in norms.items() if p.startswith("rl/value_")), norms
+
+
+@pytest.mark.parametrize("sde_steps", ["all", "one"])
+def test_step_log_probs_are_the_chains_scipy_terms(sde_steps):
+  """``chain_step_log_probs``: each scored step's density per dim (scipy's, from the
+  NumPy re-derivation), which step it is, and ``chain_log_prob`` as their sum."""
+  rng = np.random.default_rng(2)
+  w = rng.normal(scale=0.3, size=(2, 2)).astype(np.float32)
+  fn = _linear_velocity(jnp.asarray(w), 0.5)
+  noise = jnp.asarray(rng.normal(size=(8, 3, 2)), jnp.float32)
+  chain, _ = denoise.sample_chain(fn, noise, jax.random.PRNGKey(1), num_steps=K,
+                                  mode="flow_sde", noise_level=0.7, sde_steps=sde_steps)
+  logps, stds, steps = denoise.chain_step_log_probs(fn, chain, num_steps=K, mode="flow_sde",
+                                                    noise_level=0.7, sde_steps=sde_steps)
+  c = np.asarray(chain, np.float64)
+  if sde_steps == "one":
+    ks, ref = _numpy_one_step(c, w.astype(np.float64), 0.5, 0.7)
+    assert logps.shape == stds.shape == (8, 1, 3, 2)
+    np.testing.assert_array_equal(steps[:, 0], ks)
+    np.testing.assert_allclose(logps[:, 0], ref, rtol=1e-4, atol=1e-3)
+  else:
+    assert logps.shape == (8, K, 3, 2)
+    np.testing.assert_array_equal(steps, np.tile(np.arange(K), (8, 1)))
+    for k in range(K):  # step k alone: the chain cut to [x_k, x_k+1] on the time grid
+      ts = np.linspace(1.0, 0.0, K + 1)
+      x, t, dt = c[:, k], ts[k], ts[k + 1] - ts[k]
+      v = np.einsum("bha,ad->bhd", x, w) + 0.5 * t
+      sigma = 0.7 * np.sqrt(t / (1 - min(t, 1 - 1 / K)))
+      mean = x + (v + sigma**2 / (2 * t) * (x + (1 - t) * v)) * dt
+      np.testing.assert_allclose(logps[:, k], stats.norm.logpdf(c[:, k + 1], mean,
+                                                                sigma * np.sqrt(-dt)),
+                                 rtol=1e-4, atol=1e-3)
+  whole, _ = denoise.chain_log_prob(fn, chain, num_steps=K, mode="flow_sde", noise_level=0.7,
+                                    sde_steps=sde_steps)
+  np.testing.assert_allclose(np.asarray(logps).sum(1), whole, rtol=1e-5, atol=1e-5)

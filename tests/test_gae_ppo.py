@@ -563,12 +563,84 @@ def test_per_term_rows_and_their_fresh_gradient_equal_the_joint_ones(smoke_confi
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads["joint"])) > 1e-3
   # A whole update of two minibatches: the proximal pass's per-term log-probs line up
   # with the rows (the second minibatch's ratio is off 1, the first's weights are 1).
-  smoke_config.ppo.update(num_epochs=1, num_minibatches=2)
+  # With ppo.kl_detail_rows, the update's KL per denoise step and per executed dim.
+  smoke_config.ppo.update(num_epochs=1, num_minibatches=2, kl_detail_rows=n // 2)
   lrn = learner_lib.Learner(pol, smoke_config)
   state = learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(1))
   _, metrics = lrn.update(state, traj)
   assert metrics["nonfinite"] == 0 and float(metrics["approx_kl"]) > 0
   np.testing.assert_allclose(float(metrics["is_weight"]), 1.0, atol=1e-3)
+  steps = [float(metrics[f"update_kl/step{k}"]) for k in range(pol.num_steps)]
+  dims = [float(metrics[f"update_kl/dim{a}"]) for a in range(env.spec.action_dim)]
+  assert f"update_kl/dim{env.spec.action_dim}" not in metrics  # (padded dims left out)
+  assert float(metrics["update_kl"]) > 0 and min(steps) > 0
+  np.testing.assert_allclose(sum(steps), float(metrics["update_kl"]), rtol=1e-4)
+  np.testing.assert_allclose(sum(dims), float(metrics["update_kl"]), rtol=1e-4)
+
+
+class _StepGaussians:
+  """A stand-in flow objective whose chain entries are Gaussian draws: step ``k``'s dim
+  ``a`` has mean ``params["mu"][k, a]`` and std ``params["std"]``, scored per stored step."""
+
+  def __init__(self, num_steps: int, one: bool):
+    self.policy = type("P", (), {"num_steps": num_steps})()
+    self.one = one
+
+  def step_log_probs(self, params, rows):
+    chain = rows["chain"]  # [n, S, H, A]; with one, the step index is in batch["k"]
+    steps = (rows["batch"]["k"][:, None] if self.one
+             else jnp.broadcast_to(jnp.arange(chain.shape[1]), chain.shape[:2]))
+    mean = params["mu"][steps][:, :, None, :]
+    z = (chain - mean) / params["std"]
+    return -0.5 * z * z - jnp.log(params["std"]) - 0.5 * np.log(2 * np.pi), steps
+
+
+@pytest.mark.parametrize("one", [False, True])
+def test_update_kl_detail_per_step_and_dim_against_numpy(one):
+  """``update_kl_detail`` against NumPy: the evenly spaced rows, the k3 terms of the
+  after/before log-ratio summed per step (a mean over the rows that scored it: with one
+  stochastic step per row, a step no row chose is 0) and per dim, and |log-ratio|."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(3)
+  n, num_steps, h, a, r = 12, 3, 2, 2, 4
+  chain = rng.normal(size=(n, 1 if one else num_steps, h, a)).astype(np.float32)
+  k = np.array([0, 1, 0, 2, 0, 1, 0, 2, 0, 1, 0, 0])  # rows 0, 3, 6, 9 scored: k 0, 2, 0, 1
+  if one:
+    k[9] = 0  # ... and with one step per row, step 1 by none of them
+  before = dict(mu=rng.normal(size=(num_steps, a)).astype(np.float32), std=np.float32(0.7))
+  after = dict(mu=before["mu"] + 0.2 * rng.normal(size=(num_steps, a)).astype(np.float32),
+               std=np.float32(0.8))
+  rows = dict(chain=jnp.asarray(chain), batch=dict(k=jnp.asarray(k)))
+  got = jax.device_get(update_lib.update_kl_detail(
+      _StepGaussians(num_steps, one), jax.tree.map(jnp.asarray, before),
+      jax.tree.map(jnp.asarray, after), rows, r))
+  picked = [0, 3, 6, 9]
+  kl_step, abs_step, count = np.zeros(num_steps), np.zeros(num_steps), np.zeros(num_steps)
+  kl_dim, total = np.zeros(a), 0.0
+  for i in picked:
+    for s in range(chain.shape[1]):
+      step = k[i] if one else s
+      x = chain[i, s].astype(np.float64)
+      d = (stats.norm.logpdf(x, after["mu"][step], after["std"])
+           - stats.norm.logpdf(x, before["mu"][step], before["std"]))
+      k3 = np.exp(d) - 1 - d
+      kl_step[step] += k3.sum()
+      abs_step[step] += np.abs(d).mean()
+      count[step] += 1
+      kl_dim += k3.sum(0) / r
+      total += k3.sum() / r
+  safe = np.maximum(count, 1)
+  np.testing.assert_allclose(got["update_kl"], total, rtol=1e-4)
+  for s in range(num_steps):
+    np.testing.assert_allclose(got[f"update_kl/step{s}"], kl_step[s] / safe[s], rtol=1e-4)
+    np.testing.assert_allclose(got[f"update_log_ratio_abs/step{s}"], abs_step[s] / safe[s],
+                               rtol=1e-4)
+  for d in range(a):
+    np.testing.assert_allclose(got[f"update_kl/dim{d}"], kl_dim[d], rtol=1e-4)
+  if one:
+    assert got["update_kl/step1"] == 0 and count[1] == 0
+  with pytest.raises(ValueError, match=r"ppo.kl_detail_rows=13 must be in \[1, 12\]"):
+    update_lib.update_kl_detail(_StepGaussians(num_steps, one), before, after, rows, 13)
 
 
 def test_grad_norms_split_the_whole_norm_by_module_expert_and_layer():

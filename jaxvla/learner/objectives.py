@@ -131,6 +131,11 @@ class PPOObjective:
     ev = self.policy.evaluate(params, rows["batch"], rows["chain"])
     return _log_probs(self.policy, self.cfg, ev.log_prob, ev.log_prob_dims), ev.value
 
+  def step_log_probs(self, params: contract.Params, rows: dict) -> tuple[jax.Array, jax.Array]:
+    """Each Gaussian step of the rows' chains scored on its own: ``(logps [n, S, H, A],
+    steps [n, S])`` (the policy's ``step_log_probs``; flow policies only)."""
+    return self.policy.step_log_probs(params, rows["batch"], rows["chain"])
+
   def relabel(self, traj: types.Trajectory, rows: dict) -> dict:
     """Targets from the proximal pass (``ppo.value_targets``): 'learner', GAE from the
     proximal critic's values of the rows; 'vtrace', V-trace from those values and the

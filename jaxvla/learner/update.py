@@ -12,6 +12,9 @@ log-probs are computed once, per minibatch of rows).
 metrics ``grad_norm`` and ``grad_norm/<part>`` of both updates), to see where an RL
 gradient goes.
 
+:func:`update_kl_detail`: how far one update moved the flow's density, per denoise
+step and per action dimension (``ppo.kl_detail_rows``).
+
 :func:`micro_grads`: the streamed learner's gradient of one micro-batch with
 global row weights; the micro-batches' gradients and metrics add up to those of
 a one-minibatch, one-epoch :func:`epochs_update` of their union.
@@ -141,7 +144,10 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
       epoch, (trainable.select(params), opt_state, jnp.zeros((), bool)),
       jax.random.split(rng, cfg.num_epochs))
   metrics = dict(jax.tree.map(jnp.mean, metrics), **objective.batch_metrics(data, rows))
-  return trainable.merge(params, sub), opt_state, metrics
+  new_params = trainable.merge(params, sub)
+  if cfg.get("kl_detail_rows", 0):
+    metrics.update(update_kl_detail(objective, params, new_params, rows, cfg.kl_detail_rows))
+  return new_params, opt_state, metrics
 
 
 def uses_proximal_snapshot(cfg: ml_collections.ConfigDict) -> bool:
@@ -219,4 +225,53 @@ def grad_norms(grads) -> dict[str, jax.Array]:
   out.update({f"grad_norm/{part}": jnp.sqrt(sq) for part, sq in parts.items()})
   for part, sq in layers.items():
     out.update({f"grad_norm/{part}/layer{i}": jnp.sqrt(sq[i]) for i in range(sq.shape[0])})
+  return out
+
+
+def update_kl_detail(objective: Objective, before, after, rows: dict,
+                     num_rows: int) -> dict[str, jax.Array]:
+  """How far one update moved a flow policy, per denoise step and per action dimension.
+
+  ``num_rows`` of the update's ``N`` rows, evenly spaced over them, are scored under the
+  params ``before`` and ``after`` the update, each Gaussian step of each chain on its own
+  (``objective.step_log_probs``); with ``d`` the after/before log-ratio of one step of
+  one executed dim, ``d``'s k3 term ``e^d - 1 - d`` estimates that transition's
+  KL(before || after) on the chains the rollout sampled (unbiased for sync data, whose
+  behaviour is ``before``).
+
+  Args:
+    objective: an objective with ``step_log_probs(params, rows) -> (logps [n, S, H, A],
+      steps [n, S])`` and ``policy.num_steps`` (PPO on a Gaussian flow sampler).
+    before, after: the params at the start and the end of the update.
+    rows: the update's rows (``batch`` and ``chain`` are read).
+    num_rows: how many rows to score (at most ``N``).
+
+  Returns:
+    ``update_kl`` (per chunk: the sum over its scored steps, positions and dims, a
+    mean over rows), ``update_kl/step<k>`` (the sum over positions and dims of step
+    ``k``, a mean over the rows that scored it; 0 where none did, as with
+    ``model.sde_steps='one'``'s random step), ``update_kl/dim<a>`` (the sum over scored
+    steps and positions of dim ``a``) and ``update_log_ratio_abs/step<k>`` (the mean
+    ``|d|`` of step ``k``'s terms: the ratios' spread around 1).
+  """
+  n = rows["chain"].shape[0]
+  if not 1 <= num_rows <= n:
+    raise ValueError(f"ppo.kl_detail_rows={num_rows} must be in [1, {n}] (the update's rows)")
+  pick = (jnp.arange(num_rows) * n) // num_rows
+  sub = dict(batch=jax.tree.map(lambda x: x[pick], rows["batch"]), chain=rows["chain"][pick])
+  old, steps = objective.step_log_probs(before, sub)
+  new, _ = objective.step_log_probs(after, sub)
+  d = jax.lax.stop_gradient(new - old)  # [r, S, H, A]
+  k3 = jnp.expm1(d) - d
+  num_steps = objective.policy.num_steps
+  hits = jax.nn.one_hot(steps, num_steps)  # [r, S, K]
+  count = jnp.maximum(hits.sum((0, 1)), 1.0)  # rows that scored each step
+  per_step = jnp.einsum("rs,rsk->k", k3.sum((2, 3)), hits) / count
+  terms = d.shape[2] * d.shape[3]
+  abs_step = jnp.einsum("rs,rsk->k", jnp.abs(d).sum((2, 3)), hits) / (count * terms)
+  per_dim = k3.sum((1, 2)).mean(0)  # [A]
+  out = {"update_kl": k3.sum((1, 2, 3)).mean()}
+  out.update({f"update_kl/step{k}": per_step[k] for k in range(num_steps)})
+  out.update({f"update_kl/dim{a}": per_dim[a] for a in range(per_dim.shape[0])})
+  out.update({f"update_log_ratio_abs/step{k}": abs_step[k] for k in range(num_steps)})
   return out

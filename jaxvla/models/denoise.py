@@ -233,16 +233,18 @@ def chain_entries(num_steps: int, sde_steps: str) -> int:
   return num_steps + (2 if sde_steps == "one" else 1)
 
 
-def chain_log_prob(velocity_fn: VelocityFn, chain: jax.Array, *, num_steps: int, mode: str,
-                   noise_level: float, sde_steps: str = "all",
-                   log_prob_steps: str = "sum") -> tuple[jax.Array, jax.Array]:
-  """Exact log-density of a stored chain (:func:`sample_chain`'s) under the current model.
+def chain_step_log_probs(velocity_fn: VelocityFn, chain: jax.Array, *, num_steps: int,
+                          mode: str, noise_level: float, sde_steps: str = "all",
+                          log_prob_steps: str = "sum"
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The Gaussian log-density of each scored step of a stored chain (:func:`sample_chain`'s)
+  under the current model, before the steps are combined.
 
   Returns:
-    per-dimension log-probs ``[B, H, A]`` (reduced over the steps as ``log_prob_steps``
-    says), and the transition stds of the scored steps ``[B, S, H, A]`` (for entropy
-    terms): ``S = K``, or ``1`` with ``sde_steps='one'`` (only its stochastic step is
-    scored, one network pass).
+    ``(logps, stds, steps)``: per-step, per-dimension log-densities ``[B, S, H, A]``, the
+    transitions' stds ``[B, S, H, A]`` and which denoise step each is ``[B, S]``
+    (int32): ``S = K`` and ``steps[b] = 0 .. K-1``, or with ``sde_steps='one'`` ``S = 1``
+    and the chain's stored stochastic step (one network pass).
   """
   check_mode(mode, needs_log_prob=True)
   _not_steered(mode)
@@ -263,7 +265,7 @@ def chain_log_prob(velocity_fn: VelocityFn, chain: jax.Array, *, num_steps: int,
     v, learned_std = velocity_fn(x, t)
     mean, std = transition(x, v, learned_std, t[:, None, None], (t_next - t)[:, None, None],
                            mode=mode, noise_level=noise_level, t_cap=t_cap)
-    return gaussian_log_prob(x_next, mean, std), std[:, None]
+    return gaussian_log_prob(x_next, mean, std)[:, None], std[:, None], k[:, None]
 
   def step(_, inputs):
     x, x_next, t, t_next = inputs
@@ -274,5 +276,22 @@ def chain_log_prob(velocity_fn: VelocityFn, chain: jax.Array, *, num_steps: int,
 
   xs = jnp.moveaxis(chain, 1, 0)
   _, (logps, stds) = jax.lax.scan(step, None, (xs[:-1], xs[1:], ts[:-1], ts[1:]))
-  logp = _reduce(logps.sum(0), chain[:, 0], mode, num_steps, sde_steps, log_prob_steps)
-  return logp, jnp.moveaxis(stds, 0, 1)
+  steps = jnp.broadcast_to(jnp.arange(num_steps, dtype=jnp.int32), (batch, num_steps))
+  return jnp.moveaxis(logps, 0, 1), jnp.moveaxis(stds, 0, 1), steps
+
+
+def chain_log_prob(velocity_fn: VelocityFn, chain: jax.Array, *, num_steps: int, mode: str,
+                   noise_level: float, sde_steps: str = "all",
+                   log_prob_steps: str = "sum") -> tuple[jax.Array, jax.Array]:
+  """Exact log-density of a stored chain (:func:`sample_chain`'s) under the current model.
+
+  Returns:
+    per-dimension log-probs ``[B, H, A]`` (:func:`chain_step_log_probs`' steps reduced as
+    ``log_prob_steps`` says), and the transition stds of the scored steps ``[B, S, H, A]``
+    (for entropy terms): ``S = K``, or ``1`` with ``sde_steps='one'``.
+  """
+  logps, stds, _ = chain_step_log_probs(velocity_fn, chain, num_steps=num_steps, mode=mode,
+                                        noise_level=noise_level, sde_steps=sde_steps,
+                                        log_prob_steps=log_prob_steps)
+  logp = _reduce(logps.sum(1), chain[:, 0], mode, num_steps, sde_steps, log_prob_steps)
+  return logp, stds

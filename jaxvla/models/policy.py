@@ -203,6 +203,29 @@ class FlowPolicy:
                       value=pi0.value(self.net, params, prefix, batch["state"]),
                       entropy=entropy)
 
+  def step_log_probs(self, params: Params, batch: dict,
+                     chain: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The Gaussian steps of stored chains scored one by one, before
+    ``model.log_prob_steps`` combines them (for diagnostics per denoise step and dim).
+
+    Returns:
+      ``(logps [B, S, H, A_env], steps [B, S])``: the executed dims' log-densities of
+      each scored step and which denoise step it is
+      (:func:`jaxvla.models.denoise.chain_step_log_probs`).
+
+    Raises:
+      ValueError: the train sampler has no Gaussian flow steps (a steered sampler
+        trains a head over a frozen, deterministic flow).
+    """
+    if self.train_sampler not in denoise.GAUSSIAN:
+      raise ValueError(f"the {self.train_sampler!r} train sampler has no Gaussian flow steps "
+                       f"to score one by one (they are those of {denoise.GAUSSIAN})")
+    logps, _, steps = denoise.chain_step_log_probs(
+        self._velocity_fn(params, self._prefix(params, batch), batch["state"]), chain,
+        num_steps=self.num_steps, mode=self.train_sampler, noise_level=self.noise_level,
+        **self._steps(self.train_sampler))
+    return logps[..., :self.action_dim], steps
+
   def _steps(self, mode: str) -> dict:
     """``sample_chain`` / ``chain_log_prob``'s step settings for ``mode``: the
     configured ones for a Gaussian sampler, the defaults (no choice) for the others."""
