@@ -79,7 +79,10 @@ def test_masked_camera_content_cannot_change_the_policy(smoke_config, name):
   b = _run(pol, params, _with_content(unmasked, 1, ~MASK))
   changed = ~np.isclose(np.asarray(a["value"]), np.asarray(b["value"]), rtol=0, atol=1e-7)
   assert changed[MASK.all(1) == 0].all(), (a["value"], b["value"])  # rows that had a mask
-  assert not np.array_equal(np.asarray(a["log_prob"]), np.asarray(b["log_prob"]))
+  # (A flow's sampled chain has the log-prob of its noise draws whatever the mean, up to
+  # rounding, so its change shows in the actions; an action token's in its log-prob.)
+  assert any(not np.array_equal(np.asarray(a[k]), np.asarray(b[k]))
+             for k in ("actions", "log_prob")), (a["actions"], b["actions"])
   # ... and unmasking a camera changes what the policy sees.
   assert not np.allclose(np.asarray(base["value"]), np.asarray(a["value"]))
 
