@@ -1,5 +1,7 @@
 """GAE and the PPO loss against plain NumPy references."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -583,7 +585,7 @@ class _StepGaussians:
   ``a`` has mean ``params["mu"][k, a]`` and std ``params["std"]``, scored per stored step."""
 
   def __init__(self, num_steps: int, one: bool):
-    self.policy = type("P", (), {"num_steps": num_steps})()
+    self.policy = SimpleNamespace(num_steps=num_steps)
     self.one = one
 
   def step_log_probs(self, params, rows):
