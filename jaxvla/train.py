@@ -44,6 +44,7 @@ from jaxvla.data import norm_stats as norm_lib
 from jaxvla.envs import make_vec_env, normalized, protocol
 from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.learner import learner as learner_lib
+from jaxvla.learner import update as update_lib
 from jaxvla.models import contract, openpi_import, policy as policy_lib
 from jaxvla.parallel import distributed
 from jaxvla.parallel import sharding as sharding_lib
@@ -359,7 +360,7 @@ def _initial_state(config, s: Setup, rng, written: dict | None = None,
 def _save(s: Setup, run: RunState, state, pipe: pipeline_lib.Pipeline) -> None:
   # The learner never applies a non-finite update; this keeps it that way for
   # checkpoints (an earlier, finite one is never rotated out by a bad one).
-  if not bool(learner_lib.all_finite(state.params)):
+  if not bool(update_lib.all_finite(state.params)):
     raise FloatingPointError(f"iteration {run.iteration}: the params are not finite; "
                              "checkpoint not written (the earlier ones are intact)")
   # As of the update this state is from (every process's counts, summed then).

@@ -6,6 +6,7 @@ import logging
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ from configs import default
 from jaxvla import train
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
+from jaxvla.learner import update as update_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.storage import checkpoint as checkpoint_lib, workdir as workdir_lib
@@ -44,18 +46,95 @@ def test_non_finite_bc_step_is_not_applied(smoke_config):
   assert any(changed)
 
 
+def test_non_finite_streamed_step_is_not_applied(smoke_config):
+  """The streamed learner's optimizer step (``Learner.apply``) is guarded as the others:
+  a non-finite accumulated gradient leaves the params and moments as they were."""
+  from jaxvla.algorithms import ppo  # pylint: disable=import-outside-toplevel
+  env = builtin.make(smoke_config.env, 2, 0)
+  pol = policy_lib.make_policy(smoke_config.model, env.spec)
+  lrn = learner_lib.Learner(pol, smoke_config)
+  host = lambda t: jax.tree.map(np.array, jax.device_get(t))
+  state = lrn.shard_state(learner_lib.init_state(pol.init(jax.random.PRNGKey(0)), lrn.ppo_tx,
+                                                 jax.random.PRNGKey(1)))
+  before = host(state)
+  grads = jax.tree.map(jnp.ones_like, lrn.rl_trainable.select(state.params))
+  leaf = jax.tree.leaves(grads)[0]
+  grads = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan) if g is leaf else g, grads)
+  metrics = dict(loss=jnp.float32(1.0), **{k: jnp.float32(1.0) for k in ppo.STEP_SCALE_READS})
+  state, out = lrn.apply(state, (grads, metrics))
+  assert int(out["nonfinite"]) == 2 and int(state.step) == 1
+  jax.tree.map(np.testing.assert_array_equal, host((state.params, state.opt_state)),
+               (before.params, before.opt_state))
+  ones = jax.tree.map(jnp.ones_like, grads)
+  state, out = lrn.apply(state, (ones, metrics))
+  assert int(out["nonfinite"]) == 0
+  assert any(jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, b),
+                                          host(state.params), before.params)))
+
+
+def _guarded_update(x: np.ndarray, lr: float):
+  """``update.epochs_update`` of one epoch, 4 minibatches of 2 rows, SGD at ``lr`` on
+  the loss ``w * mean(x)`` of each minibatch (a stand-in objective: rows ``x``)."""
+  import optax  # pylint: disable=import-outside-toplevel
+  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+  n = len(x)
+  rows = dict(x=jnp.asarray(x), log_prob=jnp.zeros(n), version=jnp.zeros(n, jnp.int32))
+  def loss(p, mb, w):
+    value = jnp.sum(w * mb["x"]) * p["w"]
+    return value, dict(loss=value)
+  objective = SimpleNamespace(rows=lambda data: rows, weights=lambda mb: jnp.full(2, 0.5),
+                              loss=loss, batch_metrics=lambda data, rows: {})
+  cfg = default.get_config("smoke").ppo
+  cfg.update(num_epochs=1, num_minibatches=4, correction="none", value_targets="rollout",
+             target_kl=0.0, step_scale="none")
+  tx = optax.sgd(lr)
+  params = dict(w=jnp.float32(1.0))
+  rng = jax.random.PRNGKey(3)
+  new, _, metrics = update_lib.epochs_update(objective, tx, cfg, params, tx.init(params), None,
+                                             rng)
+  order = np.asarray(jax.random.permutation(jax.random.split(rng, 1)[0], n)).reshape(4, 2)
+  return float(new["w"]), metrics, order
+
+
+def test_a_non_finite_step_is_not_applied_nor_any_after_it_in_the_update():
+  """The guard of each optimizer step: the minibatch steps before the first non-finite
+  one stand, it and the later ones do not; the ``nonfinite`` bits say which part failed.
+  Params that overflow with a finite loss and gradient are reported as bit 4."""
+  x = np.arange(1.0, 9.0, dtype=np.float32)
+  x[5] = np.nan
+  w, metrics, order = _guarded_update(x, lr=0.1)
+  bad = int(np.flatnonzero((order == 5).any(axis=1))[0])
+  expected = 1.0 - 0.1 * sum(x[mb].mean() for mb in order[:bad])
+  np.testing.assert_allclose(w, expected, rtol=1e-6)
+  assert int(metrics["nonfinite"]) == 1 | 2
+  assert learner_lib.describe_nonfinite(float(metrics["nonfinite"])) == "loss, gradient norm"
+  np.testing.assert_allclose(metrics["skipped"], (4 - bad) / 4)
+  w, metrics, _ = _guarded_update(np.arange(1.0, 9.0, dtype=np.float32), lr=0.1)
+  assert int(metrics["nonfinite"]) == 0 and float(metrics["skipped"]) == 0
+  np.testing.assert_allclose(w, 1.0 - 0.1 * 4 * 4.5, rtol=1e-6)  # Every step applied.
+  # The first step overflows (bit 4: nothing to take back), the next one's loss on
+  # those params is not finite (bit 1); the gradient, mean(x), always is.
+  w, metrics, _ = _guarded_update(np.arange(1.0, 9.0, dtype=np.float32), lr=3e38)
+  assert not np.isfinite(w) and int(metrics["nonfinite"]) == 1 | 4
+
+
 def test_divergence_guard_stops_after_max_bad_in_a_row(caplog):
   guard = learner_lib.DivergenceGuard(3, "RL update")
   with caplog.at_level(logging.WARNING):
     guard.check(1.0, 1)
     guard.check(0.0, 2)  # A finite update resets the count.
     guard.check(2.0, 3)
-    guard.check(4.0, 4)
+    guard.check(3.0, 4)
   assert guard.total == 3 and guard.in_a_row == 2
-  assert "RL update 3: non-finite gradient norm; not applied (1 in a row; the run stops at 3)" \
-      in caplog.text
-  with pytest.raises(FloatingPointError, match=r"RL update 5: non-finite loss, updated parameters"):
-    guard.check(5.0, 5)
+  assert ("RL update 3: non-finite gradient norm; not applied from that step on (1 in a row; "
+          "the run stops at 3)") in caplog.text
+  with pytest.raises(FloatingPointError, match=r"RL update 5: non-finite loss; 3 in a row"):
+    guard.check(1.0, 5)
+  # Params that went non-finite cannot be taken back: the run stops at the first.
+  with pytest.raises(FloatingPointError,
+                     match=r"RL update 1: non-finite loss, updated parameters; the params are "
+                           r"not finite, the run stops"):
+    learner_lib.DivergenceGuard(3, "RL update").check(5.0, 1)
   c = default.get_config("smoke")
   c.ppo.max_bad_updates = 0
   with pytest.raises(ValueError, match="config.ppo.max_bad_updates"):
@@ -87,7 +166,7 @@ def test_diverging_run_stops_and_keeps_finite_checkpoints(tmp_path, smoke_config
   assert steps, "no checkpoint"
   for step in steps:
     state, _ = ckpt.restore(step, abstract)
-    assert bool(learner_lib.all_finite(state.params)), step
+    assert bool(update_lib.all_finite(state.params)), step
   ckpt.close()
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     records = [r for r in map(json.loads, f) if r["phase"] == "train"]

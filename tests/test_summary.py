@@ -119,3 +119,22 @@ def test_flop_counter_counts_scan_iterations():
   assert bench.model_flops(f, w, x) == expected
   xla_unrolled = bench.xla_flops(jax.jit(f_unrolled).lower(w, x).compile())
   assert xla_unrolled == pytest.approx(expected, rel=0.05)  # + tanh and the like
+
+
+def test_memory_mode_compiles_every_learner_step():
+  """``jaxvla.bench.policy --memory`` (the GPU check's memory step): each learner step's
+  memory analysis, BC with its action mask and a PPO update of several minibatches."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from tests import conftest  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run(
+      [sys.executable, "-m", "jaxvla.bench.policy", "--memory", "--memory_variant=tiny",
+       "--memory_batch=2", "--memory_remat=on", "--memory_steps=bc,ppo",
+       "--memory_minibatches=2"], capture_output=True, text=True, cwd=root, timeout=300,
+      check=False, env=conftest.fast_xla_env(dict(os.environ)))
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = json.loads(r.stdout.strip().splitlines()[-1])["rows"]
+  assert [(row["op"], row["minibatches"]) for row in rows] == [("bc_step", 1), ("ppo_update", 2)]
+  for row in rows:
+    assert row["total_gib"] >= row["argument_gib"] > 0 and row["model_gflop"] > 0

@@ -88,6 +88,9 @@ _MEMORY_BATCH = flags.DEFINE_integer("memory_batch", 8, "--memory: micro-batch (
 _MEMORY_REMAT = flags.DEFINE_list("memory_remat", ["on", "off"], "--memory: remat settings.")
 _MEMORY_STEPS = flags.DEFINE_list("memory_steps", ["bc", "ppo"],
                                   "--memory: learner steps (bc, ppo).")
+_MEMORY_MINIBATCHES = flags.DEFINE_integer(
+    "memory_minibatches", 1, "--memory: PPO minibatches of --memory_batch chunks in one "
+    "update (> 1: the whole epochs update of a pipeline's batch, op 'ppo_update').")
 
 GIB = 2**30
 # Dense (no sparsity) peak TFLOP/s by device_kind substring, most specific first; float32
@@ -211,10 +214,11 @@ def make_trajectory(batch: dict, chain, seed: int) -> types.Trajectory:
       bootstrap_value=np.zeros((b,), np.float32), policy_version=np.zeros((1, b), np.int32))
 
 
-def make_learner(policy) -> learner_lib.Learner:
-  """``Learner`` with the default config's ``bc`` / ``ppo``, PPO at 1 epoch x 1 minibatch."""
+def make_learner(policy, num_minibatches: int = 1) -> learner_lib.Learner:
+  """``Learner`` with the default config's ``bc`` / ``ppo``, PPO at 1 epoch x
+  ``num_minibatches``."""
   c = defaults.get_config()
-  c.ppo.num_epochs, c.ppo.num_minibatches = 1, 1
+  c.ppo.num_epochs, c.ppo.num_minibatches = 1, num_minibatches
   return learner_lib.Learner(policy, c)
 
 
@@ -319,8 +323,9 @@ def measure(model: str, variant: str, device_kind: str) -> list[dict]:
 
 
 def learner_flops(model: str, variant: str, dtype: str, k: int, op: str, remat: bool,
-                  *args) -> tuple[float, float]:
-  """(model FLOPs, executed FLOPs) of learner step ``op`` on abstract ``args``.
+                  *args, num_minibatches: int = 1) -> tuple[float, float]:
+  """(model FLOPs, executed FLOPs) of learner step ``op`` on abstract ``args``
+  (``ppo_update``: ``num_minibatches`` PPO minibatches).
 
   Model FLOPs exclude remat's recomputation (the MFU convention): they are
   counted on the same step built without remat. Executed FLOPs include it.
@@ -328,8 +333,9 @@ def learner_flops(model: str, variant: str, dtype: str, k: int, op: str, remat: 
   def count_for(remat_: bool) -> float:
     cfg = bench_config(model, variant, dtype=dtype, chunk_len=_CHUNK_LEN.value,
                        denoise_steps=k, remat=remat_)
-    lrn = make_learner(summary_lib.make_policy(model, variant, config=cfg))
-    return model_flops({"bc_step": lrn.bc_step_jit, "ppo_minibatch": lrn.update_jit}[op], *args)
+    lrn = make_learner(summary_lib.make_policy(model, variant, config=cfg), num_minibatches)
+    step = lrn.bc_step_jit if op == "bc_step" else lrn.update_jit
+    return model_flops(step, *args)
   executed = count_for(remat)
   return (count_for(False) if remat else executed), executed
 
@@ -386,7 +392,10 @@ def memory_rows() -> list[dict]:
     cfg = bench_config(model, variant, dtype=dtype, chunk_len=_CHUNK_LEN.value,
                        denoise_steps=_LEARNER_DENOISE_STEPS.value, remat=remat)
     policy = summary_lib.make_policy(model, variant, config=cfg)
-    lrn = make_learner(policy)
+    nm = _MEMORY_MINIBATCHES.value
+    if nm < 1:
+      raise ValueError(f"--memory_minibatches: must be >= 1, got {nm}")
+    lrn = make_learner(policy, nm)
     params = policy.abstract_params()
     n_params = summary_lib.count(params)["total_with_rl"]
     state = jax.eval_shape(
@@ -397,12 +406,14 @@ def memory_rows() -> list[dict]:
       if step_name == "bc":
         step, op = lrn.bc_step_jit, "bc_step"
         data = (batch, jax.ShapeDtypeStruct((bs, policy.chunk_len, spec.action_dim),
-                                            jnp.float32))
+                                            jnp.float32),
+                jax.ShapeDtypeStruct((bs, policy.chunk_len), bool))  # (the real-action mask)
       elif step_name == "ppo":
-        step, op = lrn.update_jit, "ppo_minibatch"
+        step, op = lrn.update_jit, "ppo_minibatch" if nm == 1 else "ppo_update"
+        batch_all = jax.tree.map(lambda x: np.concatenate([x] * nm), batch_np)
         chain = jax.eval_shape(lambda p, b, r: policy.act(p, b, r, _ACT_MODE.value), params,
-                               batch, jax.ShapeDtypeStruct((2,), jnp.uint32)).chain
-        data = (_abstract(make_trajectory(batch_np, chain, _SEED.value)),)
+                               _abstract(batch_all), jax.ShapeDtypeStruct((2,), jnp.uint32)).chain
+        data = (_abstract(make_trajectory(batch_all, chain, _SEED.value)),)
       else:
         raise ValueError(f"--memory_steps: {step_name!r} is not 'bc' or 'ppo'")
       print(f"# compiling {model}/{variant} {op} batch={bs} remat={remat_flag} ...", flush=True)
@@ -418,10 +429,11 @@ def memory_rows() -> list[dict]:
               + sizes["generated_code"])
       static = 4 * n_params * 4  # float32 params + Adam mu, nu + grads
       flops, executed = learner_flops(model, variant, dtype, _LEARNER_DENOISE_STEPS.value, op,
-                                      remat, state, *data)
+                                      remat, state, *data, num_minibatches=nm)
       rows.append(dict(
           model=model, variant=variant, op=op, batch=bs, chunk_len=policy.chunk_len,
-          denoise_steps=_LEARNER_DENOISE_STEPS.value if op == "ppo_minibatch" else None,
+          minibatches=nm if op != "bc_step" else 1,
+          denoise_steps=_LEARNER_DENOISE_STEPS.value if op != "bc_step" else None,
           remat=remat, dtype=dtype, params=n_params, compile_s=round(compile_s, 1),
           **{f"{k}_gib": round(v / GIB, 3) for k, v in sizes.items()},
           total_gib=round(peak / GIB, 3),
@@ -458,7 +470,8 @@ def print_row(r: dict) -> None:
 
 
 def print_memory_row(r: dict) -> None:
-  print(f"{r['model']}/{r['variant']} {r['op']} batch={r['batch']} H={r['chunk_len']} "
+  mbs = f" x{r['minibatches']} minibatches" if r.get("minibatches", 1) > 1 else ""
+  print(f"{r['model']}/{r['variant']} {r['op']} batch={r['batch']}{mbs} H={r['chunk_len']} "
         f"remat={'on' if r['remat'] else 'off'} {r['dtype']}: argument {r['argument_gib']:.2f} "
         f"+ output {r['output_gib']:.2f} - alias {r['alias_gib']:.2f} + temp "
         f"{r['temp_gib']:.2f} + code {r['generated_code_gib']:.3f} = {r['total_gib']:.2f} GiB "

@@ -174,43 +174,23 @@ def init_state(params: contract.Params, tx: optax.GradientTransformation,
                     rng=rng)
 
 
-# Bits of the ``nonfinite`` metric of an update (0: finite, applied).
-NONFINITE_PARTS = ((1, "loss"), (2, "gradient norm"), (4, "updated parameters"))
-
-
-def all_finite(tree) -> jax.Array:
-  """Whether every element of every leaf of ``tree`` is finite (a scalar bool)."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _guard(old: TrainState, new: TrainState, loss, grad_norm) -> tuple[TrainState, jax.Array]:
-  """``new``, or ``old``'s params and optimizer state if the update was not finite.
-
-  Inside the jitted step, so a diverged update never reaches the params the rollout
-  acts with or a checkpoint. The step (policy version) and PRNG key still advance.
-
-  Returns:
-    ``(state, nonfinite)``: the bits of :data:`NONFINITE_PARTS` that failed (float32).
-  """
-  code = ((~jnp.isfinite(loss)).astype(jnp.int32) * 1
-          + (~jnp.isfinite(grad_norm)).astype(jnp.int32) * 2
-          + (~all_finite(new.params)).astype(jnp.int32) * 4)
-  # One branch on the scalar, not a select per leaf: XLA fuses the check's chain of
-  # per-leaf results into every select that reads it (tiny pi0: 55 leaves x 160 selects,
-  # a third of its update's compile time; more leaves and selects at full size).
-  params, opt_state = jax.lax.cond(code == 0, lambda n, o: n, lambda n, o: o,
-                                   (new.params, new.opt_state), (old.params, old.opt_state))
-  return new.replace(params=params, opt_state=opt_state), code.astype(jnp.float32)
-
-
 def describe_nonfinite(code: float) -> str:
   """``nonfinite`` metric -> e.g. ``'loss, gradient norm'``."""
-  return ", ".join(name for bit, name in NONFINITE_PARTS if int(code) & bit) or "nothing"
+  return ", ".join(name for bit, name in update_lib.NONFINITE_PARTS
+                   if int(code) & bit) or "nothing"
 
 
 class DivergenceGuard:
-  """Counts updates the learner refused as non-finite; stops the run after
-  ``max_bad`` in a row (``config.ppo.max_bad_updates``).
+  """Counts updates with a non-finite step; stops the run after ``max_bad`` in a row
+  (``config.ppo.max_bad_updates``), or at once when the params themselves went
+  non-finite.
+
+  A step whose loss or gradient norm is not finite is not applied, nor is any later
+  step of the same RL update (``update.keep_unless``): the steps before it stand. Params
+  that are not finite after finite losses and gradients (bit 4: an overflow or a
+  non-finite step size) cannot be taken back, since the guard keeps no second copy of
+  the train state, so that stops the run with the checkpoints intact
+  (``train._save`` never writes non-finite params).
 
   Args:
     max_bad: >= 1.
@@ -228,7 +208,7 @@ class DivergenceGuard:
     """``nonfinite``: the update's metric; ``index``: its number, for messages.
 
     Raises:
-      FloatingPointError: ``max_bad`` non-finite updates in a row.
+      FloatingPointError: ``max_bad`` non-finite updates in a row, or non-finite params.
     """
     if not nonfinite:
       self.in_a_row = 0
@@ -236,14 +216,18 @@ class DivergenceGuard:
     self.in_a_row += 1
     self.total += 1
     parts = describe_nonfinite(nonfinite)
+    if int(nonfinite) & 4:
+      raise FloatingPointError(
+          f"{self.what} {index}: non-finite {parts}; the params are not finite, the run "
+          "stops (the checkpoints hold the last finite ones). Lower the learning rate")
     if self.in_a_row >= self.max_bad:
       raise FloatingPointError(
           f"{self.what} {index}: non-finite {parts}; {self.in_a_row} in a row, the run stops "
-          "(its params stay those of the last finite update, which the checkpoints hold). "
+          "(its params stay those of the last finite step, which the checkpoints hold). "
           "Lower the learning rate or check the data; config.ppo.max_bad_updates sets how "
           "many in a row are tolerated")
-    log.warning("%s %d: non-finite %s; not applied (%d in a row; the run stops at %d)",
-                self.what, index, parts, self.in_a_row, self.max_bad)
+    log.warning("%s %d: non-finite %s; not applied from that step on (%d in a row; the run "
+                "stops at %d)", self.what, index, parts, self.in_a_row, self.max_bad)
 
 
 class Learner:
@@ -424,10 +408,11 @@ class Learner:
     loss, grads = jax.value_and_grad(
         lambda sub: self.policy.bc_loss(self.trainable.merge(state.params, sub), batch, actions,
                                         key, mask))(trained)
-    updates, opt_state = self.bc_tx.update(grads, state.opt_state, trained)
-    params = self.trainable.merge(state.params, optax.apply_updates(trained, updates))
-    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
-    new, nonfinite = _guard(state, new, loss, optax.tree.norm(grads))
+    trained, opt_state, code, _ = update_lib.guarded_step(
+        self.bc_tx, grads, state.opt_state, trained, loss, optax.tree.norm(grads))
+    nonfinite = (code | update_lib.params_code(trained)).astype(jnp.float32)
+    new = state.replace(step=state.step + 1, params=self.trainable.merge(state.params, trained),
+                        opt_state=opt_state, rng=rng)
     return new, dict(loss=loss, nonfinite=nonfinite)
 
   # --------------------------------------------------------------------- RL --
@@ -449,9 +434,9 @@ class Learner:
         self.objective, self.ppo_tx, self.ppo_config, state.params, state.opt_state, data, key,
         constrain, version=state.step, trainable=self.rl_trainable,
         behaviour_is_proximal=self.behaviour_is_proximal)
+    # (epochs_update's steps are guarded: its ``nonfinite`` metric says which failed.)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
-    new, nonfinite = _guard(state, new, metrics["loss"], metrics["grad_norm"])
-    return new, dict(metrics, nonfinite=nonfinite)
+    return new, metrics
 
   # --------------------------------------------------------------- streamed --
   @property
@@ -501,15 +486,16 @@ class Learner:
              ) -> tuple[TrainState, dict]:
     grads, metrics = acc
     trained = self.rl_trainable.select(state.params)
-    updates, opt_state = self.ppo_tx.update(grads, state.opt_state, trained)
+    out = update_lib.grad_norms(grads)
     scale = ppo.step_scale(self.ppo_config.step_scale, metrics)
-    params = self.rl_trainable.merge(
-        state.params, optax.apply_updates(trained, jax.tree.map(lambda u: scale * u, updates)))
-    out = dict(update_lib.grad_norms(grads), skipped=jnp.zeros(()), step_scale=scale)
+    trained, opt_state, code, _ = update_lib.guarded_step(
+        self.ppo_tx, grads, state.opt_state, trained, metrics["loss"], out["grad_norm"], scale)
+    nonfinite = code | update_lib.params_code(trained)
     step = state.step + bump_version.astype(state.step.dtype)
-    new = state.replace(step=step, params=params, opt_state=opt_state)
-    new, nonfinite = _guard(state, new, metrics["loss"], out["grad_norm"])
-    return new, dict(out, nonfinite=nonfinite)
+    new = state.replace(step=step, params=self.rl_trainable.merge(state.params, trained),
+                        opt_state=opt_state)
+    return new, dict(out, skipped=jnp.zeros(()), step_scale=scale,
+                     nonfinite=nonfinite.astype(jnp.float32))
 
   def apply(self, state: TrainState, acc, bump_version: bool = True):
     """Applies accumulated micro-batch gradients: one optimizer update

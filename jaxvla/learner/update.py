@@ -8,6 +8,11 @@ minibatches are skipped. With the decoupled correction and more than one
 optimizer step, the proximal policy is the params before the update (their
 log-probs are computed once, per minibatch of rows).
 
+Every optimizer step is guarded: it checks its loss and gradient norm before it applies
+anything, and a non-finite step keeps the params and moments it started from, as do the
+later steps of the same update (:func:`keep_unless`; the ``nonfinite`` metric's bits are
+:data:`NONFINITE_PARTS`).
+
 :func:`grad_norms`: the gradient's norm, whole and per part of the network (the
 metrics ``grad_norm`` and ``grad_norm/<part>`` of both updates), to see where an RL
 gradient goes.
@@ -39,6 +44,60 @@ from flax import traverse_util
 from jaxvla.algorithms import ppo
 from jaxvla.learner.objectives import Objective
 from jaxvla.learner.trainable import ALL, Trainable
+
+
+# Bits of an update's ``nonfinite`` metric (0: every optimizer step finite and applied).
+NONFINITE_PARTS = ((1, "loss"), (2, "gradient norm"), (4, "updated parameters"))
+
+
+def all_finite(tree) -> jax.Array:
+  """Whether every element of every leaf of ``tree`` is finite (a scalar bool)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def nonfinite_code(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
+  """Bits 1 (loss) and 2 (gradient norm) of :data:`NONFINITE_PARTS`, an int32 scalar:
+  what a step checks *before* it applies its update."""
+  return ((~jnp.isfinite(loss)).astype(jnp.int32) * 1
+          + (~jnp.isfinite(grad_norm)).astype(jnp.int32) * 2)
+
+
+def params_code(params) -> jax.Array:
+  """Bit 4 of :data:`NONFINITE_PARTS` (int32 scalar): ``params`` after the update are
+  not finite although its loss and gradient were (an overflow, a non-finite step size)."""
+  return (~all_finite(params)).astype(jnp.int32) * 4
+
+
+def keep_unless(skip: jax.Array, new, old):
+  """``old`` where the scalar ``skip``, else ``new``, leaf by leaf.
+
+  The divergence guard of every optimizer step: a step whose loss or gradient is not
+  finite (:func:`nonfinite_code`) is not applied. One select per element, on a scalar
+  known before the update, fuses into the elementwise optimizer update, so XLA updates
+  the donated params and moments in place. (A check of the *new* params, or a branch
+  between whole old and new states, keeps both alive: full pi0's 4-minibatch update then
+  needed 86 GiB on an 80 GB H100.)
+  """
+  return jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+
+
+def guarded_step(tx: optax.GradientTransformation, grads, opt_state, sub, loss: jax.Array,
+                 grad_norm: jax.Array, scale: jax.Array | float = 1.0,
+                 stop: jax.Array | bool = False):
+  """One optimizer step of ``grads`` on the trained ``sub``, its update times ``scale``,
+  not applied if ``stop`` or if its loss or gradient norm is not finite.
+
+  Returns:
+    ``(sub, opt_state, code, skipped)``: the new (or kept) params and optimizer state,
+    the step's bits 1 and 2 of :data:`NONFINITE_PARTS` (int32) and whether it was not
+    applied.
+  """
+  code = nonfinite_code(loss, grad_norm)
+  skip = jnp.logical_or(stop, code != 0)
+  updates, new_opt_state = tx.update(grads, opt_state, sub)
+  new_sub = optax.apply_updates(sub, jax.tree.map(lambda u: scale * u, updates))
+  return (keep_unless(skip, new_sub, sub), keep_unless(skip, new_opt_state, opt_state), code,
+          skip)
 
 
 def _uses_proximal(cfg: ml_collections.ConfigDict) -> bool:
@@ -95,7 +154,8 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
   Returns:
     ``(params, opt_state, metrics)``: metrics are means over minibatches of the
     loss terms, ``grad_norm`` (whole and per part, :func:`grad_norms`) and
-    ``skipped``, plus ``objective.batch_metrics``.
+    ``skipped``, plus ``objective.batch_metrics`` and ``nonfinite`` (the bits of
+    :data:`NONFINITE_PARTS` of any step, or'd).
 
   Raises:
     ValueError: the row count is not divisible by ``ppo.num_minibatches``.
@@ -122,17 +182,14 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
     weights = objective.weights(minibatch)
     (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(
         sub, minibatch, weights)
-    del loss  # (in metrics)
-    metrics = dict(metrics, lag=_mean_lag(weights, minibatch, version))
-    updates, new_opt_state = tx.update(grads, opt_state, sub)
+    metrics = dict(metrics, lag=_mean_lag(weights, minibatch, version), **grad_norms(grads))
     scale = ppo.step_scale(cfg.step_scale, metrics)
-    new_sub = optax.apply_updates(sub, jax.tree.map(lambda u: scale * u, updates))
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(stop, b, a), new, old)
-    sub, opt_state = keep(new_sub, sub), keep(new_opt_state, opt_state)
+    # A non-finite step is not applied, and none after it in this update is.
+    sub, opt_state, code, stop = guarded_step(tx, grads, opt_state, sub, loss,
+                                              metrics["grad_norm"], scale, stop)
     if cfg.target_kl > 0:
       stop = stop | (metrics["approx_kl"] > cfg.target_kl)
-    metrics = dict(metrics, **grad_norms(grads), skipped=stop.astype(jnp.float32),
-                   step_scale=scale)
+    metrics = dict(metrics, skipped=stop.astype(jnp.float32), step_scale=scale, nonfinite=code)
     return (sub, opt_state, stop), metrics
 
   def epoch(carry, key):
@@ -143,7 +200,10 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
   (sub, opt_state, _), metrics = jax.lax.scan(
       epoch, (trainable.select(params), opt_state, jnp.zeros((), bool)),
       jax.random.split(rng, cfg.num_epochs))
-  metrics = dict(jax.tree.map(jnp.mean, metrics), **objective.batch_metrics(data, rows))
+  code = jax.lax.reduce(metrics.pop("nonfinite").ravel(), 0, jax.lax.bitwise_or, (0,))
+  code = code | params_code(sub)
+  metrics = dict(jax.tree.map(jnp.mean, metrics), **objective.batch_metrics(data, rows),
+                 nonfinite=code.astype(jnp.float32))
   new_params = trainable.merge(params, sub)
   if cfg.get("kl_detail_rows", 0):
     metrics.update(update_kl_detail(objective, params, new_params, rows, cfg.kl_detail_rows))
