@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The prepared check of a GPU window: full-pi0 pipeline efficiency and profile, act latency
-# and a PPO minibatch's MFU, into one JSON file (jaxvla/bench/gpu_check.py says what each
-# step measures and how long it may take: under 9 minutes on an H100 in all).
+# The prepared check of a GPU window: full-pi0 PPO update memory, pipeline efficiency and
+# profile (with --steps, act latency and a PPO minibatch's MFU too), into one JSON file
+# (jaxvla/bench/gpu_check.py says what each step measures and how long it may take: a
+# window's default steps stay under 10 minutes).
 #
 #   bash launch/gpu_check.sh --prepare              # once, where pip can download
 #   bash launch/gpu_check.sh --out=DIR              # on the GPU machine, offline

@@ -6,6 +6,8 @@ offline set-up). It runs, in order, each step in its own process (so one step's 
 memory is free for the next) with a shared persistent compilation cache:
 
 ==============  ==========================================================================
+``memory``      ``jaxvla.bench.policy --memory``: XLA's memory analysis of full pi0's PPO
+                update, one minibatch of 32 chunks and the pipeline's 4 (compiled only)
 ``pipeline``    ``jaxvla.bench.pipeline``: full pi0 on the built-in env, ``sync_colocated``
                 and full async (``+streamer``), each traced with ``--profile``
 ``trace``       ``jaxvla.bench.trace_summary`` on each mode's trace, as text (the async
@@ -15,14 +17,18 @@ memory is free for the next) with a shared persistent compilation cache:
 ``ppo``         ``jaxvla.bench.policy``: one PPO minibatch of 32 chunks, with its MFU
 ==============  ==========================================================================
 
+A GPU window runs ``memory``, ``pipeline`` and ``trace`` unless ``--steps`` names others
+(:data:`WINDOW_STEPS`: ``act`` and ``ppo`` were measured on an H100 on 2026-11-23 and
+2026-11-27, docs/design/policy.md); the dry run runs every step.
+
 Every step has a time limit; a step that fails or runs out of time is recorded as such
 and the next one still runs, so a window always returns what it measured. After each
 step ``DIR/gpu_check.json`` is rewritten with everything so far: each step's command,
 return code, wall time and parsed result (its last JSON line), and a ``summary`` with
-the headline figures (full-async efficiency and speedup, act milliseconds by batch, the
-PPO minibatch's milliseconds and MFU). Each step's output is in ``DIR/<step>.log``, the
-trace summaries in ``DIR/trace_<mode>.txt``; the traces themselves stay in
-``--profile_dir`` (they are large).
+the headline figures (the PPO updates' memory in GiB, full-async efficiency and
+speedup, act milliseconds by batch, the PPO minibatch's milliseconds and MFU). Each
+step's output is in ``DIR/<step>.log``, the trace summaries in ``DIR/trace_<mode>.txt``;
+the traces themselves stay in ``--profile_dir`` (they are large).
 
 ``--dry_run`` runs the same steps on whatever device there is with the tiny pi0 and
 budgets of seconds: the fast tests run it on the CPU, so the check a GPU window depends
@@ -45,7 +51,13 @@ import time
 
 from absl import app, flags
 
-STEPS = ("pipeline", "trace", "act", "ppo")
+STEPS = ("memory", "pipeline", "trace", "act", "ppo")
+# What a GPU window runs by default: a cold full-pi0 pipeline run compiles for minutes
+# (2026-11-27, H100: over 430 s for both modes), so the window goes to what is unmeasured.
+WINDOW_STEPS = ("memory", "pipeline", "trace")
+# The memory step's PPO updates: one minibatch (the policy benchmark's row) and the
+# pipeline step's 4 (its learner batch: 32 envs x 4 steps).
+MEMORY_MINIBATCHES = (1, 4)
 # What the steps import beyond an accelerator image's JAX, flax, optax, orbax, chex, absl,
 # numpy, msgpack, rich and PyYAML (measured: every module the dry run's processes had
 # loaded). ``launch/gpu_check.sh --prepare`` downloads their wheels for a machine without
@@ -65,6 +77,8 @@ FULL_PIPELINE = (
     "--config.model.action_dim=32", "--config.model.state_dim=32",
     "--config.ppo.num_minibatches=4", "--config.pipeline.micro_batch_segments=8",
     "--config.pipeline.rollout_dtype=bfloat16",
+    # First-ready batches padded to 8, 16 or 32 rows: half the act / value programs.
+    "--config.pipeline.min_bucket=8",
 )
 # The same run with the tiny pi0, 16 envs in 2 workers and three timed updates (one
 # update's window can hold no usable rollout step on a loaded machine): seconds.
@@ -73,15 +87,16 @@ DRY_PIPELINE = (
     "--config.env_workers=2", "--config.env.latency_ms=0", "--config.pipeline.b_max=4",
     "--config.pipeline.micro_batch_segments=4",
 )
-# Seconds each step may take. The full check's sum stays under 9 minutes.
-LIMITS_S = dict(pipeline=300, trace=30, act=90, ppo=100)
-DRY_LIMITS_S = dict(pipeline=180, trace=60, act=90, ppo=90)
+# Seconds each step may take. A window's steps (WINDOW_STEPS) stay under 10 minutes.
+LIMITS_S = dict(memory=150, pipeline=420, trace=30, act=90, ppo=100)
+DRY_LIMITS_S = dict(memory=90, pipeline=180, trace=60, act=90, ppo=90)
 
 _OUT = flags.DEFINE_string("out", None, "Folder for gpu_check.json, the logs and the trace "
                            "summaries.", required=True)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "The same steps with the tiny pi0 in seconds "
                              "(CPU), to check the script itself.")
-_STEPS = flags.DEFINE_list("steps", list(STEPS), f"Steps to run, of {STEPS} (in that order).")
+_STEPS = flags.DEFINE_list("steps", None, f"Steps to run, of {STEPS} (in that order; "
+                           f"default: {WINDOW_STEPS}, the dry run every step).")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", "", "Where the pipeline step's traces go ('': a folder in the temp dir).")
 _CACHE_DIR = flags.DEFINE_string(
@@ -97,13 +112,17 @@ def step_commands(dry_run: bool, profile_dir: str) -> dict[str, list[list[str]]]
   model = (["--variants=tiny", "--dtype=float32", "--repeats=2"] if dry_run
            else ["--variants=full", "--dtype=bfloat16", "--repeats=5"])
   policy = [*py, "jaxvla.bench.policy", "--models=pi0", *model]
+  memory = [[*py, "jaxvla.bench.policy", "--memory", "--memory_model=pi0",
+             f"--memory_variant={'tiny' if dry_run else 'full'}",
+             f"--memory_batch={4 if dry_run else PPO_BATCH}", "--memory_remat=on",
+             "--memory_steps=ppo", f"--memory_minibatches={nm}"] for nm in MEMORY_MINIBATCHES]
   act = [*policy, f"--batch_sizes={','.join(map(str, ACT_BATCHES))}", "--denoise_steps=4",
          "--learner_batch=0"]
   ppo = [*policy, "--batch_sizes=", "--denoise_steps=4", f"--learner_batch={PPO_BATCH}",
          "--learner_denoise_steps=4", "--learner_ops=ppo_minibatch"]
   trace = [[*py, "jaxvla.bench.trace_summary", os.path.join(profile_dir, m.lstrip("+"))]
            for m in MODES]
-  return dict(pipeline=[pipeline], trace=trace, act=[act], ppo=[ppo])
+  return dict(memory=memory, pipeline=[pipeline], trace=trace, act=[act], ppo=[ppo])
 
 
 def last_json(text: str) -> dict | None:
@@ -164,6 +183,12 @@ def _text(b: bytes | str | None) -> str:
 def summarize(steps: dict[str, dict]) -> dict:
   """The headline figures of whatever steps produced a result."""
   s: dict = {}
+  memory = steps.get("memory", {}).get("result")
+  memory = [memory] if isinstance(memory, dict) else (memory or [])
+  rows = [row for r in memory if r for row in r.get("rows", [])]
+  if rows:
+    s["ppo_memory_gib"] = {f"{r['batch']}x{r.get('minibatches', 1)}": r["total_gib"]
+                           for r in rows}
   pipe = steps.get("pipeline", {}).get("result")
   if pipe:
     s["efficiency"] = pipe.get("efficiency")
@@ -242,7 +267,8 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   report = check(
-      _OUT.value, dry_run=_DRY_RUN.value, steps=_STEPS.value,
+      _OUT.value, dry_run=_DRY_RUN.value,
+      steps=_STEPS.value or list(STEPS if _DRY_RUN.value else WINDOW_STEPS),
       profile_dir=_PROFILE_DIR.value or tempfile.mkdtemp(prefix="jaxvla_gpu_check_profile_"),
       cache_dir=_CACHE_DIR.value or os.path.join(root, ".cache", "jax_gpu_check"))
   print(json.dumps(dict(ok=report["ok"], device=report.get("device"),
