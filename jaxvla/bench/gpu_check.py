@@ -183,8 +183,7 @@ def _text(b: bytes | str | None) -> str:
 def summarize(steps: dict[str, dict]) -> dict:
   """The headline figures of whatever steps produced a result."""
   s: dict = {}
-  memory = steps.get("memory", {}).get("result")
-  memory = [memory] if isinstance(memory, dict) else (memory or [])
+  memory = steps.get("memory", {}).get("result") or []  # (one result per minibatch count)
   rows = [row for r in memory if r for row in r.get("rows", [])]
   if rows:
     s["ppo_memory_gib"] = {f"{r['batch']}x{r.get('minibatches', 1)}": r["total_gib"]
