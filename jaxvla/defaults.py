@@ -224,7 +224,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline.b_max = 0  # L2: inference batch size trigger (0: half the envs).
   c.pipeline.t_max_ms = 5.0  # L2: max wait after the first ready env before inferring.
   c.pipeline.min_bucket = 1  # L2: smallest padded inference batch (fewer act compiles).
-  c.pipeline.rollout_dtype = ""  # Rollout's param copy: '' exact, 'bfloat16' (use a correction).
+  c.pipeline.rollout_dtype = ""  # Rollout copy and streamed proximal snapshot: "" exact, "bfloat16" (use a correction).
   c.pipeline.timeline = True  # Write workdir/timeline.json (stage intervals; plot with stages).
   c.pipeline.schedule_log = True  # Write workdir/schedule/ (what timing decided: for replay).
 

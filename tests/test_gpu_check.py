@@ -38,6 +38,7 @@ def test_dry_run_runs_every_step_and_writes_one_json(tmp_path):
   assert s["ppo_minibatch"]["median_ms"] > 0
   assert set(s["ppo_memory_gib"]) == {f"4x{nm}" for nm in gpu_check.MEMORY_MINIBATCHES}
   assert all(gib > 0 for gib in s["ppo_memory_gib"].values())
+  assert s["streamed_live_gib"] > 0
   # The async row carries its profile summary; the text summaries sit beside the JSON.
   rows = {row["mode"]: row for row in report["steps"]["pipeline"]["result"]["rows"]}
   assert rows["+streamer"]["profile"]

@@ -383,6 +383,39 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
   assert metrics[1]["approx_kl"] > 0 and metrics[0]["approx_kl"] == 0
 
 
+def test_streamed_proximal_snapshot_keeps_the_rollout_dtype():
+  """With a bfloat16 rollout copy the streamed update keeps its proximal snapshot in
+  bfloat16 too (half of full pi0's 12 GiB float32 copy), and the later minibatches are
+  evaluated under exactly those rounded weights."""
+  c, env, pol, params, act, value = _setup(
+      num_envs=4, **{"ppo.num_epochs": 1, "ppo.num_minibatches": 2,
+                     "ppo.correction": "decoupled", "pipeline.mode": "async",
+                     "pipeline.rollout_dtype": "bfloat16"})
+  builder = segments_lib.SegmentBuilder(c.num_envs, c.rollout_len, 1)
+  ro = rollout_lib.Rollout(env, pol, act, value, lambda: (params, 0), builder,
+                           jax.random.PRNGKey(1), seed=0)
+  for _ in range(c.rollout_len):
+    ro.step_all()
+  item = builder.pop_items()[0]
+  lrn = learner_lib.Learner(pol, c)
+  assert lrn.streamed_proximal
+  snap = lrn.snapshot(jax.device_put(params))
+  for got, want in zip(jax.tree.leaves(snap), jax.tree.leaves(lrn.rl_trainable.select(params))):
+    assert got.dtype == jnp.bfloat16, got.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(jnp.bfloat16))
+  # The same rounded values held in float32 give the same pass, to float32 rounding.
+  widened = jax.tree.map(lambda x: x.astype(jnp.float32), snap)
+  got = jax.device_get(lrn.micro_grads(params, item.data, 8, 1, proximal=snap))
+  want = jax.device_get(lrn.micro_grads(params, item.data, 8, 1, proximal=widened))
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6)
+  jax.tree.map(close, got, want)
+  # (a check of the check: the rounding moved the proximal log-probs by more than that)
+  exact = jax.device_get(lrn.micro_grads(params, item.data, 8, 1,
+                                         proximal=lrn.rl_trainable.select(params)))
+  with pytest.raises(AssertionError):
+    close(got[1]["kl_behaviour_proximal"], exact[1]["kl_behaviour_proximal"])
+
+
 # ---------------------------------------------------------------- end to end --
 # Each run also trains one policy variant end to end (BC warm start, rollout, PPO,
 # evaluation): pi0 with the expert's state-token value and the flow-noise sampler, pi0.5,

@@ -7,7 +7,9 @@ memory is free for the next) with a shared persistent compilation cache:
 
 ==============  ==========================================================================
 ``memory``      ``jaxvla.bench.policy --memory``: XLA's memory analysis of full pi0's PPO
-                update, one minibatch of 32 chunks and the pipeline's 4 (compiled only)
+                update, one minibatch of 32 chunks and the pipeline's 4, and of the
+                streamed learner's micro-batch under its bfloat16 proximal snapshot with
+                the Adam moments and rollout copy beside it (compiled only)
 ``pipeline``    ``jaxvla.bench.pipeline``: full pi0 on the built-in env, ``sync_colocated``
                 and full async (``+streamer``), each traced with ``--profile``
 ``trace``       ``jaxvla.bench.trace_summary`` on each mode's trace, as text (the async
@@ -89,7 +91,7 @@ DRY_PIPELINE = (
 )
 # Seconds each step may take. A window's steps (WINDOW_STEPS) stay under 10 minutes.
 LIMITS_S = dict(memory=150, pipeline=420, trace=30, act=90, ppo=100)
-DRY_LIMITS_S = dict(memory=90, pipeline=180, trace=60, act=90, ppo=90)
+DRY_LIMITS_S = dict(memory=150, pipeline=180, trace=60, act=90, ppo=90)
 
 _OUT = flags.DEFINE_string("out", None, "Folder for gpu_check.json, the logs and the trace "
                            "summaries.", required=True)
@@ -116,6 +118,10 @@ def step_commands(dry_run: bool, profile_dir: str) -> dict[str, list[list[str]]]
              f"--memory_variant={'tiny' if dry_run else 'full'}",
              f"--memory_batch={4 if dry_run else PPO_BATCH}", "--memory_remat=on",
              "--memory_steps=ppo", f"--memory_minibatches={nm}"] for nm in MEMORY_MINIBATCHES]
+  # The full-async pipeline's heaviest learner program, as FULL_PIPELINE configures it.
+  memory.append([*memory[-1][:-2], "--memory_steps=streamed",
+                 f"--memory_minibatches={MEMORY_MINIBATCHES[-1]}",
+                 "--memory_rollout_dtype=bfloat16"])
   act = [*policy, f"--batch_sizes={','.join(map(str, ACT_BATCHES))}", "--denoise_steps=4",
          "--learner_batch=0"]
   ppo = [*policy, "--batch_sizes=", "--denoise_steps=4", f"--learner_batch={PPO_BATCH}",
@@ -185,9 +191,13 @@ def summarize(steps: dict[str, dict]) -> dict:
   s: dict = {}
   memory = steps.get("memory", {}).get("result") or []  # (one result per minibatch count)
   rows = [row for r in memory if r for row in r.get("rows", [])]
-  if rows:
+  ppo_rows = [r for r in rows if "live_gib" not in r]
+  if ppo_rows:
     s["ppo_memory_gib"] = {f"{r['batch']}x{r.get('minibatches', 1)}": r["total_gib"]
-                           for r in rows}
+                           for r in ppo_rows}
+  streamed = [r["live_gib"] for r in rows if "live_gib" in r]
+  if streamed:
+    s["streamed_live_gib"] = streamed[-1]
   pipe = steps.get("pipeline", {}).get("result")
   if pipe:
     s["efficiency"] = pipe.get("efficiency")

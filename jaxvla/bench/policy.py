@@ -58,6 +58,7 @@ from absl import app, flags
 from jaxvla import defaults, types
 from jaxvla.envs import protocol
 from jaxvla.learner import learner as learner_lib
+from jaxvla.learner import trainable as trainable_lib
 from jaxvla.models import summary as summary_lib
 
 _MODELS = flags.DEFINE_list("models", ["pi0", "pi05"], "Policies (config.model.name).")
@@ -86,8 +87,14 @@ _MEMORY_MODEL = flags.DEFINE_string("memory_model", "pi0", "--memory: the policy
 _MEMORY_VARIANT = flags.DEFINE_string("memory_variant", "full", "--memory: the variant.")
 _MEMORY_BATCH = flags.DEFINE_integer("memory_batch", 8, "--memory: micro-batch (chunks).")
 _MEMORY_REMAT = flags.DEFINE_list("memory_remat", ["on", "off"], "--memory: remat settings.")
-_MEMORY_STEPS = flags.DEFINE_list("memory_steps", ["bc", "ppo"],
-                                  "--memory: learner steps (bc, ppo).")
+_MEMORY_STEPS = flags.DEFINE_list(
+    "memory_steps", ["bc", "ppo"],
+    "--memory: learner steps (bc, ppo, streamed: the streamed learner's heaviest program, a "
+    "micro-batch's gradient under the update's proximal snapshot, with what stays resident "
+    "beside it).")
+_MEMORY_ROLLOUT_DTYPE = flags.DEFINE_string(
+    "memory_rollout_dtype", "bfloat16", "--memory_steps=streamed: config.pipeline."
+    "rollout_dtype (the rollout copy's and the proximal snapshot's dtype; '' float32).")
 _MEMORY_MINIBATCHES = flags.DEFINE_integer(
     "memory_minibatches", 1, "--memory: PPO minibatches of --memory_batch chunks in one "
     "update (> 1: the whole epochs update of a pipeline's batch, op 'ppo_update').")
@@ -214,12 +221,20 @@ def make_trajectory(batch: dict, chain, seed: int) -> types.Trajectory:
       bootstrap_value=np.zeros((b,), np.float32), policy_version=np.zeros((1, b), np.int32))
 
 
-def make_learner(policy, num_minibatches: int = 1) -> learner_lib.Learner:
+def make_learner(policy, num_minibatches: int = 1,
+                 rollout_dtype: str = "") -> learner_lib.Learner:
   """``Learner`` with the default config's ``bc`` / ``ppo``, PPO at 1 epoch x
-  ``num_minibatches``."""
+  ``num_minibatches`` (``rollout_dtype``: ``config.pipeline.rollout_dtype``)."""
   c = defaults.get_config()
   c.ppo.num_epochs, c.ppo.num_minibatches = 1, num_minibatches
+  c.pipeline.rollout_dtype = rollout_dtype
   return learner_lib.Learner(policy, c)
+
+
+def _gib(tree) -> float:
+  """GiB of the arrays or ShapeDtypeStructs in ``tree``."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree)) / GIB
 
 
 def _abstract(tree):
@@ -395,7 +410,7 @@ def memory_rows() -> list[dict]:
     nm = _MEMORY_MINIBATCHES.value
     if nm < 1:
       raise ValueError(f"--memory_minibatches: must be >= 1, got {nm}")
-    lrn = make_learner(policy, nm)
+    lrn = make_learner(policy, nm, _MEMORY_ROLLOUT_DTYPE.value)
     params = policy.abstract_params()
     n_params = summary_lib.count(params)["total_with_rl"]
     state = jax.eval_shape(
@@ -414,10 +429,27 @@ def memory_rows() -> list[dict]:
         chain = jax.eval_shape(lambda p, b, r: policy.act(p, b, r, _ACT_MODE.value), params,
                                _abstract(batch_all), jax.ShapeDtypeStruct((2,), jnp.uint32)).chain
         data = (_abstract(make_trajectory(batch_all, chain, _SEED.value)),)
+      elif step_name == "streamed":
+        # L3 with several minibatches: a later minibatch's micro-batch of ``bs`` chunks is
+        # evaluated under the snapshot the update started from. Beside the program stay
+        # the Adam moments and the rollout's copy of the params (the gradient
+        # accumulator too when a minibatch takes several micro-batches).
+        op = "streamed_micro_batch"
+        step = lrn._micro_grads_proximal_jit  # pylint: disable=protected-access
+        chain = jax.eval_shape(lambda p, b, r: policy.act(p, b, r, _ACT_MODE.value), params,
+                               batch, jax.ShapeDtypeStruct((2,), jnp.uint32)).chain
+        snapshot = jax.eval_shape(lrn._snapshot_jit, params)  # pylint: disable=protected-access
+        rollout_copy = jax.eval_shape(
+            lambda p: trainable_lib.cast_floating(p, _MEMORY_ROLLOUT_DTYPE.value or None), params)
+        scalar = lambda dt: jax.ShapeDtypeStruct((), dt)
+        data = (_abstract(make_trajectory(batch_np, chain, _SEED.value)),
+                scalar(jnp.float32), scalar(jnp.int32), snapshot)
+        resident = dict(adam=_gib(state.opt_state), rollout_copy=_gib(rollout_copy))
       else:
-        raise ValueError(f"--memory_steps: {step_name!r} is not 'bc' or 'ppo'")
+        raise ValueError(f"--memory_steps: {step_name!r} is not 'bc', 'ppo' or 'streamed'")
       print(f"# compiling {model}/{variant} {op} batch={bs} remat={remat_flag} ...", flush=True)
-      compiled, compile_s = _compile(step, state, *data)
+      args = (params,) if step_name == "streamed" else (state,)
+      compiled, compile_s = _compile(step, *args, *data)
       m = compiled.memory_analysis()
       if m is None:
         raise RuntimeError(f"backend {jax.devices()[0].platform!r} gives no memory_analysis() "
@@ -428,8 +460,15 @@ def memory_rows() -> list[dict]:
       peak = (sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
               + sizes["generated_code"])
       static = 4 * n_params * 4  # float32 params + Adam mu, nu + grads
-      flops, executed = learner_flops(model, variant, dtype, _LEARNER_DENOISE_STEPS.value, op,
-                                      remat, state, *data, num_minibatches=nm)
+      extra = {}
+      if step_name == "streamed":  # (its FLOPs are the PPO rows', plus the proximal pass)
+        flops = executed = math.nan
+        extra = dict(**{f"resident_{k}_gib": round(v, 3) for k, v in resident.items()},
+                     live_gib=round(peak / GIB + sum(resident.values()), 3),
+                     rollout_dtype=_MEMORY_ROLLOUT_DTYPE.value or "float32")
+      else:
+        flops, executed = learner_flops(model, variant, dtype, _LEARNER_DENOISE_STEPS.value,
+                                        op, remat, state, *data, num_minibatches=nm)
       rows.append(dict(
           model=model, variant=variant, op=op, batch=bs, chunk_len=policy.chunk_len,
           minibatches=nm if op != "bc_step" else 1,
@@ -438,8 +477,9 @@ def memory_rows() -> list[dict]:
           **{f"{k}_gib": round(v / GIB, 3) for k, v in sizes.items()},
           total_gib=round(peak / GIB, 3),
           params_adam_grads_gib=round(static / GIB, 3),
-          model_gflop=round(flops / 1e9, 1), executed_gflop=round(executed / 1e9, 1),
-          backend=jax.devices()[0].platform, device=jax.devices()[0].device_kind))
+          model_gflop=None if math.isnan(flops) else round(flops / 1e9, 1),
+          executed_gflop=None if math.isnan(executed) else round(executed / 1e9, 1),
+          backend=jax.devices()[0].platform, device=jax.devices()[0].device_kind, **extra))
       print_memory_row(rows[-1])
   return rows
 
@@ -477,6 +517,11 @@ def print_memory_row(r: dict) -> None:
         f"{r['temp_gib']:.2f} + code {r['generated_code_gib']:.3f} = {r['total_gib']:.2f} GiB "
         f"(params+Adam+grads f32 alone: {r['params_adam_grads_gib']:.2f} GiB; compile "
         f"{r['compile_s']:.0f} s)", flush=True)
+  if "live_gib" in r:
+    print(f"  + resident beside it: Adam moments {r['resident_adam_gib']:.2f} + rollout copy "
+          f"({r['rollout_dtype']}) {r['resident_rollout_copy_gib']:.2f} = live "
+          f"{r['live_gib']:.2f} GiB (one micro-batch per minibatch; more add the "
+          "gradient accumulator)", flush=True)
 
 
 def main(argv):

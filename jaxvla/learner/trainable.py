@@ -27,6 +27,7 @@ import math
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxvla.models import lora
@@ -99,6 +100,25 @@ class Trainable:
     """``(trained, total)`` parameter counts (elements) of ``params``."""
     size = lambda t: sum(math.prod(x.shape) for x in jax.tree.leaves(t))
     return size(self.select(params)), size(params)
+
+
+def floating_dtype(name: str) -> jnp.dtype:
+  """The floating dtype ``name`` names; a ValueError names anything else."""
+  dtype = jnp.dtype(name)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{name!r} is not a floating dtype")
+  return dtype
+
+
+def cast_floating(tree: Tree, dtype: str | None) -> Tree:
+  """``tree`` with its floating leaves cast to ``dtype`` (None or '': unchanged): the
+  rollout's lower-precision copy of the params and a streamed update's proximal
+  snapshot (``config.pipeline.rollout_dtype``)."""
+  if not dtype:
+    return tree
+  dt = floating_dtype(dtype)
+  return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                      tree)
 
 
 def train_only(tx: optax.GradientTransformation,

@@ -29,14 +29,15 @@ correction (``ppo.correction``), as rollout engines in bf16 are used in practice
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from jaxvla import timing
+from jaxvla.learner import trainable as trainable_lib
 from jaxvla.parallel import distributed
 from jaxvla.parallel import sharding as sharding_lib
 
@@ -69,15 +70,8 @@ class ParamServer:
     self.on_ready = on_ready
     self._cast = None
     if cast:
-      dtype = jnp.dtype(cast)
-      if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"ParamServer cast: {cast!r} is not a floating dtype")
-
-      def cast_params(tree):
-        return jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-      self._cast = jax.jit(cast_params)
+      trainable_lib.floating_dtype(cast)  # (fails here, not at the first publish)
+      self._cast = jax.jit(functools.partial(trainable_lib.cast_floating, dtype=cast))
     self._cond = threading.Condition()
     self._current: tuple[Any, int] | None = None
     self._pending: collections.deque[tuple[Any, int, float]] = collections.deque()
