@@ -8,7 +8,8 @@
 #   bash launch/gpu_check.sh --out=DIR              # on the GPU machine, offline
 #   bash launch/gpu_check.sh --dry_run --out=DIR    # any machine: the tiny pi0, about a minute
 #
-# Other flags go to `python -m jaxvla.bench.gpu_check` (--steps, --profile_dir, --cache_dir).
+# Other flags go to `python -m jaxvla.bench.gpu_check` (--steps, --profile_dir, --cache_dir,
+# --pipeline_flag).
 #
 # Python: $PYTHON if set, else this checkout's .venv (launch/setup.sh, then
 # launch/jax_plugin.sh cuda12|cuda13 on a GPU machine with a network), else python3: an

@@ -64,3 +64,14 @@ def test_unknown_step_is_named(tmp_path):
   with pytest.raises(ValueError, match="'mfu'"):
     gpu_check.check(str(tmp_path), dry_run=True, steps=["pipeline", "mfu"],
                     profile_dir=str(tmp_path), cache_dir=str(tmp_path))
+
+
+def test_pipeline_flags_end_the_pipeline_command():
+  """``--pipeline_flag``s come after the step's own flags (absl keeps a flag's last value),
+  and no other step's command takes them."""
+  extra = ("--config.model.lora=both", "--modes=+streamer")
+  commands = gpu_check.step_commands(False, "/tmp/p", extra)
+  pipeline = commands["pipeline"][0]
+  assert tuple(pipeline[-2:]) == extra and "--modes=sync_colocated,+streamer" in pipeline
+  assert all(a not in extra for name, cmds in commands.items() if name != "pipeline"
+             for cmd in cmds for a in cmd)

@@ -101,16 +101,23 @@ _STEPS = flags.DEFINE_list("steps", None, f"Steps to run, of {STEPS} (in that or
                            f"default: {WINDOW_STEPS}, the dry run every step).")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", "", "Where the pipeline step's traces go ('': a folder in the temp dir).")
+_PIPELINE_FLAGS = flags.DEFINE_multi_string(
+    "pipeline_flag", [], "A flag added to the pipeline step's command after its own, so it "
+    "wins (repeatable): e.g. --pipeline_flag=--config.model.lora=both where full "
+    "fine-tuning does not fit, --pipeline_flag=--modes=+streamer for one mode.")
 _CACHE_DIR = flags.DEFINE_string(
     "cache_dir", "", "Persistent compilation cache shared by the steps ('': the checkout's "
     ".cache/jax_gpu_check).")
 
 
-def step_commands(dry_run: bool, profile_dir: str) -> dict[str, list[list[str]]]:
-  """Each step's commands (argv lists after ``python -m``), in order."""
+def step_commands(dry_run: bool, profile_dir: str,
+                  pipeline_flags: tuple[str, ...] = ()) -> dict[str, list[list[str]]]:
+  """Each step's commands (argv lists after ``python -m``), in order; ``pipeline_flags``
+  end the pipeline step's command (absl takes a flag's last value)."""
   py = [sys.executable, "-m"]
   pipeline = [*py, "jaxvla.bench.pipeline", f"--modes={','.join(MODES)}",
-              f"--profile={profile_dir}", *(DRY_PIPELINE if dry_run else FULL_PIPELINE)]
+              f"--profile={profile_dir}", *(DRY_PIPELINE if dry_run else FULL_PIPELINE),
+              *pipeline_flags]
   model = (["--variants=tiny", "--dtype=float32", "--repeats=2"] if dry_run
            else ["--variants=full", "--dtype=bfloat16", "--repeats=5"])
   policy = [*py, "jaxvla.bench.policy", "--models=pi0", *model]
@@ -218,7 +225,7 @@ def summarize(steps: dict[str, dict]) -> dict:
 
 
 def check(out: str, *, dry_run: bool, steps: list[str], profile_dir: str,
-          cache_dir: str) -> dict:
+          cache_dir: str, pipeline_flags: tuple[str, ...] = ()) -> dict:
   """Runs ``steps`` and writes ``out/gpu_check.json`` after each; returns its content."""
   unknown = [s for s in steps if s not in STEPS]
   if unknown:
@@ -232,7 +239,7 @@ def check(out: str, *, dry_run: bool, steps: list[str], profile_dir: str,
   if not dry_run:
     # Full pi0's train state, the rollout copy and activations take most of an 80 GB GPU.
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-  commands = step_commands(dry_run, profile_dir)
+  commands = step_commands(dry_run, profile_dir, pipeline_flags)
   limits = DRY_LIMITS_S if dry_run else LIMITS_S
   report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 host=dict(machine=platform.machine(), cpus=os.cpu_count()),
@@ -279,7 +286,8 @@ def main(argv: list[str]) -> None:
       _OUT.value, dry_run=_DRY_RUN.value,
       steps=_STEPS.value or list(STEPS if _DRY_RUN.value else WINDOW_STEPS),
       profile_dir=_PROFILE_DIR.value or tempfile.mkdtemp(prefix="jaxvla_gpu_check_profile_"),
-      cache_dir=_CACHE_DIR.value or os.path.join(root, ".cache", "jax_gpu_check"))
+      cache_dir=_CACHE_DIR.value or os.path.join(root, ".cache", "jax_gpu_check"),
+      pipeline_flags=tuple(_PIPELINE_FLAGS.value))
   print(json.dumps(dict(ok=report["ok"], device=report.get("device"),
                         summary=report["summary"],
                         failed=[n for n, r in report["steps"].items() if r["rc"]])))
