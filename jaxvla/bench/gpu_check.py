@@ -121,12 +121,13 @@ def step_commands(dry_run: bool, profile_dir: str,
   model = (["--variants=tiny", "--dtype=float32", "--repeats=2"] if dry_run
            else ["--variants=full", "--dtype=bfloat16", "--repeats=5"])
   policy = [*py, "jaxvla.bench.policy", "--models=pi0", *model]
-  memory = [[*py, "jaxvla.bench.policy", "--memory", "--memory_model=pi0",
-             f"--memory_variant={'tiny' if dry_run else 'full'}",
-             f"--memory_batch={4 if dry_run else PPO_BATCH}", "--memory_remat=on",
-             "--memory_steps=ppo", f"--memory_minibatches={nm}"] for nm in MEMORY_MINIBATCHES]
+  memory_of = [*py, "jaxvla.bench.policy", "--memory", "--memory_model=pi0",
+               f"--memory_variant={'tiny' if dry_run else 'full'}",
+               f"--memory_batch={4 if dry_run else PPO_BATCH}", "--memory_remat=on"]
+  memory = [[*memory_of, "--memory_steps=ppo", f"--memory_minibatches={nm}"]
+            for nm in MEMORY_MINIBATCHES]
   # The full-async pipeline's heaviest learner program, as FULL_PIPELINE configures it.
-  memory.append([*memory[-1][:-2], "--memory_steps=streamed",
+  memory.append([*memory_of, "--memory_steps=streamed",
                  f"--memory_minibatches={MEMORY_MINIBATCHES[-1]}",
                  "--memory_rollout_dtype=bfloat16"])
   act = [*policy, f"--batch_sizes={','.join(map(str, ACT_BATCHES))}", "--denoise_steps=4",

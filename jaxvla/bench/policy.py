@@ -417,18 +417,20 @@ def memory_rows() -> list[dict]:
         lambda p: learner_lib.init_state(p, lrn.bc_tx, jax.random.PRNGKey(0)), params)
     batch_np = make_batch(policy, spec, bs, _SEED.value)
     batch = _abstract(batch_np)
+    chain_of = lambda b: jax.eval_shape(lambda p, b_, r: policy.act(p, b_, r, _ACT_MODE.value),
+                                        params, b, jax.ShapeDtypeStruct((2,), jnp.uint32)).chain
     for step_name in _MEMORY_STEPS.value:
+      resident = None  # GiB that stay on the device beside the program, by what holds them
       if step_name == "bc":
         step, op = lrn.bc_step_jit, "bc_step"
-        data = (batch, jax.ShapeDtypeStruct((bs, policy.chunk_len, spec.action_dim),
-                                            jnp.float32),
+        args = (state, batch,
+                jax.ShapeDtypeStruct((bs, policy.chunk_len, spec.action_dim), jnp.float32),
                 jax.ShapeDtypeStruct((bs, policy.chunk_len), bool))  # (the real-action mask)
       elif step_name == "ppo":
         step, op = lrn.update_jit, "ppo_minibatch" if nm == 1 else "ppo_update"
         batch_all = jax.tree.map(lambda x: np.concatenate([x] * nm), batch_np)
-        chain = jax.eval_shape(lambda p, b, r: policy.act(p, b, r, _ACT_MODE.value), params,
-                               _abstract(batch_all), jax.ShapeDtypeStruct((2,), jnp.uint32)).chain
-        data = (_abstract(make_trajectory(batch_all, chain, _SEED.value)),)
+        args = (state, _abstract(make_trajectory(batch_all, chain_of(_abstract(batch_all)),
+                                                 _SEED.value)))
       elif step_name == "streamed":
         # L3 with several minibatches: a later minibatch's micro-batch of ``bs`` chunks is
         # evaluated under the snapshot the update started from. Beside the program stay
@@ -436,20 +438,17 @@ def memory_rows() -> list[dict]:
         # accumulator too when a minibatch takes several micro-batches).
         op = "streamed_micro_batch"
         step = lrn._micro_grads_proximal_jit  # pylint: disable=protected-access
-        chain = jax.eval_shape(lambda p, b, r: policy.act(p, b, r, _ACT_MODE.value), params,
-                               batch, jax.ShapeDtypeStruct((2,), jnp.uint32)).chain
-        snapshot = jax.eval_shape(lrn._snapshot_jit, params)  # pylint: disable=protected-access
+        scalar = lambda dt: jax.ShapeDtypeStruct((), dt)
+        args = (params, _abstract(make_trajectory(batch_np, chain_of(batch), _SEED.value)),
+                scalar(jnp.float32), scalar(jnp.int32),
+                jax.eval_shape(lrn._snapshot_jit, params))  # pylint: disable=protected-access
         rollout_copy = jax.eval_shape(
             lambda p: trainable_lib.cast_floating(p, _MEMORY_ROLLOUT_DTYPE.value or None), params)
-        scalar = lambda dt: jax.ShapeDtypeStruct((), dt)
-        data = (_abstract(make_trajectory(batch_np, chain, _SEED.value)),
-                scalar(jnp.float32), scalar(jnp.int32), snapshot)
         resident = dict(adam=_gib(state.opt_state), rollout_copy=_gib(rollout_copy))
       else:
         raise ValueError(f"--memory_steps: {step_name!r} is not 'bc', 'ppo' or 'streamed'")
       print(f"# compiling {model}/{variant} {op} batch={bs} remat={remat_flag} ...", flush=True)
-      args = (params,) if step_name == "streamed" else (state,)
-      compiled, compile_s = _compile(step, *args, *data)
+      compiled, compile_s = _compile(step, *args)
       m = compiled.memory_analysis()
       if m is None:
         raise RuntimeError(f"backend {jax.devices()[0].platform!r} gives no memory_analysis() "
@@ -461,14 +460,14 @@ def memory_rows() -> list[dict]:
               + sizes["generated_code"])
       static = 4 * n_params * 4  # float32 params + Adam mu, nu + grads
       extra = {}
-      if step_name == "streamed":  # (its FLOPs are the PPO rows', plus the proximal pass)
+      if resident is None:
+        flops, executed = learner_flops(model, variant, dtype, _LEARNER_DENOISE_STEPS.value,
+                                        op, remat, *args, num_minibatches=nm)
+      else:  # (the streamed program's FLOPs are the PPO rows' plus the proximal pass)
         flops = executed = math.nan
         extra = dict(**{f"resident_{k}_gib": round(v, 3) for k, v in resident.items()},
                      live_gib=round(peak / GIB + sum(resident.values()), 3),
                      rollout_dtype=_MEMORY_ROLLOUT_DTYPE.value or "float32")
-      else:
-        flops, executed = learner_flops(model, variant, dtype, _LEARNER_DENOISE_STEPS.value,
-                                        op, remat, state, *data, num_minibatches=nm)
       rows.append(dict(
           model=model, variant=variant, op=op, batch=bs, chunk_len=policy.chunk_len,
           minibatches=nm if op != "bc_step" else 1,

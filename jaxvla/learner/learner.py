@@ -326,11 +326,9 @@ class Learner:
                                     version, self.rl_trainable,
                                     self.rl_trainable.merge(params, proximal))
 
-    def snapshot(params):
-      trained = self.rl_trainable.select(params)
-      if self.proximal_dtype is None:
-        return jax.tree.map(jnp.copy, trained)
-      return trainable_lib.cast_floating(trained, self.proximal_dtype)
+    def snapshot(params):  # (copies: the params it is taken from are donated next)
+      return jax.tree.map(jnp.copy, trainable_lib.cast_floating(
+          self.rl_trainable.select(params), self.proximal_dtype))
 
     self._micro_grads_jit = jax.jit(
         micro_grads, in_shardings=(self.param_shardings, self._data_sh, rep, rep),
