@@ -167,9 +167,11 @@ _jaxvla_install_lavapipe() {
 }
 
 # The ICD json must name the driver by absolute path (the loader would otherwise search
-# the system's library path and find nothing, or an old Mesa).
+# the system's library path and find nothing, or an old Mesa). The prefix's real path:
+# a checkout that links another's prefix must not point that one at itself.
 _jaxvla_write_icd() {
-  local prefix=$1 shipped
+  local prefix shipped
+  prefix=$(cd -P "$1" && pwd)
   shipped=$(find "$prefix/root" -name lvp_icd.json -print -quit)
   sed -E "s|(\"library_path\"[[:space:]]*:[[:space:]]*\")[^\"]*|\1$prefix/lib/libvulkan_lvp.so|" \
     "$shipped" >"$prefix/lvp_icd.json.tmp"

@@ -15,6 +15,8 @@ Checked:
   ``scancel``) and requeues the job (``scontrol requeue``).
 * ``configs/tpu.py`` passes the config checks and splits its batches on slices of
   4 to 256 chips.
+* ``setup.sh``'s Vulkan ICD file names lavapipe by its real path when the prefix is
+  reached through a link (a second checkout linking the first's prefix).
 
 The SLURM path with real tasks (two processes joined by JAX's SLURM detection, a run and
 its resume) is ``tests/test_multihost.py::test_two_process_async_run_via_slurm_...``.
@@ -218,6 +220,23 @@ def test_jax_plugin_none_is_a_no_op_and_a_bad_name_one_line():
   r = subprocess.run(["bash", script, "rocm"], capture_output=True, text=True, timeout=30)
   assert r.returncode == 2 and r.stderr.strip().splitlines() == [
       "jax_plugin.sh: unknown plugin 'rocm': expected tpu, cuda12, cuda13 or none"]
+
+
+# --------------------------------------------------------------- setup.sh --
+def test_setup_icd_names_the_real_prefix_through_a_link(tmp_path):
+  real = tmp_path / "checkout" / "prefix"
+  shipped = real / "root" / "usr" / "share" / "vulkan" / "icd.d" / "lvp_icd.json"
+  shipped.parent.mkdir(parents=True)
+  shipped.write_text('{"ICD": {"library_path": "/usr/lib/libvulkan_lvp.so"}}')
+  link = tmp_path / "other_checkout_prefix"
+  link.symlink_to(real)
+  setup = os.path.join(ROOT, "launch", "setup.sh")
+  # The function alone: sourcing setup.sh would run the whole set-up.
+  script = (f"eval \"$(sed -n '/^_jaxvla_write_icd()/,/^}}/p' {shlex.quote(setup)})\"\n"
+            f"_jaxvla_write_icd {shlex.quote(str(link))}")
+  subprocess.run(["bash", "-c", script], check=True, timeout=30)
+  written = (real / "lvp_icd.json").read_text()
+  assert f'"library_path": "{real.resolve()}/lib/libvulkan_lvp.so"' in written
 
 
 # ----------------------------------------------------------- slurm.sbatch --
