@@ -180,6 +180,19 @@ def test_act_cost_interpolates_between_measured_batches():
   assert c.act_cost(128)[0] == pytest.approx(0.10 + 64 / 48 * 0.06)  # (extrapolated)
 
 
+def test_scaled_costs_slow_only_the_cpu_work():
+  c = _costs(env_s=(0.02,), demand=0.25, act_s=0.004, fixed_s=0.01, overhead_s=0.001)
+  s = c.scaled(2.0)  # cores twice as slow
+  assert s.env_chunk == [(pytest.approx(0.02 * 1.25), 0.25)]  # a quarter of it computes
+  assert s.act_cost(1)[0] == pytest.approx(0.008) and s.learner.fixed_s == pytest.approx(0.02)
+  assert s.rollout_overhead_s == pytest.approx(0.002) and s.meta["scaled"] == 2.0
+  gpu = dataclasses.replace(c, backend="gpu").scaled(2.0)  # the device's work keeps its time
+  assert gpu.act_cost(1)[0] == pytest.approx(0.004) and gpu.learner.fixed_s == pytest.approx(0.01)
+  assert gpu.env_chunk == s.env_chunk and gpu.rollout_overhead_s == pytest.approx(0.002)
+  with pytest.raises(ValueError, match="factor must be > 0"):
+    c.scaled(0.0)
+
+
 # --------------------------------------------------------------- placement --
 def test_h100_costs_are_the_documented_figures():
   c = placement.h100_costs("pi0", 4, 10)
@@ -220,20 +233,33 @@ def test_the_command_simulates_a_config_from_a_costs_file(tmp_path):
 
 def test_validate_compares_medians_over_repeats(tmp_path, monkeypatch):
   """Each repeat measures costs and runs anew; the row compares the medians and carries
-  every measured figure and their spread."""
+  every measured figure and their spread. Each prediction uses its costs scaled by the
+  machine's slowdown between the costs' measurement and the run's."""
   from jaxvla.plan import validate  # pylint: disable=import-outside-toplevel
+
+  class Costs:  # a prediction of base / factor env steps/s: slower cores, fewer steps
+    def __init__(self, base, factor=1.0):
+      self.base, self.factor = base, factor
+
+    def scaled(self, factor):
+      return Costs(self.base, factor)
+
   measured = iter([100.0, 130.0, 110.0])  # three repeats of one mode
-  predicted = iter([120.0, 118.0, 200.0])
+  bases = iter([120.0, 118.0, 200.0])
   monkeypatch.setattr(validate, "measure_row", lambda row, d: (
-      None, [dict(env_steps_per_s=next(measured), staleness_mean=0.5)]))
+      Costs(next(bases)), [dict(env_steps_per_s=next(measured), staleness_mean=0.5)],
+      dict(costs=1.1, run=1.0)))  # the machine was 10% faster during the runs
   monkeypatch.setattr(validate, "predict", lambda row, costs, mode: types.SimpleNamespace(
-      env_steps_per_s=next(predicted), staleness_mean=0.7))
+      env_steps_per_s=costs.base / costs.factor, staleness_mean=0.7))
   row = validate.Row("r", "configs/default.py:bench", modes=("sync_colocated",))
   report = validate.validate((row,), str(tmp_path), repeats=3)
   (line,) = report["rows"]
   assert line["measured_runs"] == [100.0, 130.0, 110.0]
-  assert line["measured_env_steps_per_s"] == 110.0 and line["predicted_env_steps_per_s"] == 120.0
-  assert line["relative_error"] == pytest.approx(120 / 110 - 1)
+  assert line["machine_slowdowns"] == pytest.approx([1.1] * 3)
+  assert line["measured_env_steps_per_s"] == 110.0
+  assert line["predicted_env_steps_per_s"] == pytest.approx(120 / 1.1)
+  assert line["relative_error"] == pytest.approx(120 / 1.1 / 110 - 1)
+  assert line["raw_relative_error"] == pytest.approx(120 / 110 - 1)
   assert line["measured_spread"] == pytest.approx(30 / 110)
   assert line["staleness_error"] == pytest.approx(0.2) and line["within"]
   with pytest.raises(ValueError, match="--repeats must be >= 1"):

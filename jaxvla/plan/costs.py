@@ -91,6 +91,33 @@ class Costs:
   def value_cost(self, rows: int) -> Cost:
     return _interpolate(self.value, rows)
 
+  def scaled(self, factor: float) -> "Costs":
+    """These costs on a machine whose cores are ``factor`` times slower (``factor`` < 1:
+    faster). Only a cost's CPU part scales: of ``(alone_s, demand)`` with demand ``d``,
+    ``min(d, 1)`` of the time is computing and the rest waiting (a slept env step), so
+    ``alone_s`` becomes ``alone_s * (1 + (factor - 1) * min(d, 1))``. The host's
+    overheads are CPU work; on an accelerator ``act``, ``value``, the learner and the
+    broadcast are the device's and keep their times."""
+    if factor <= 0:
+      raise ValueError(f"scale factor must be > 0, got {factor}")
+
+    def cpu(cost: Cost, on_host: bool = True) -> Cost:
+      alone, demand = cost
+      return (alone * (1 + (factor - 1) * min(demand, 1.0)) if on_host else alone, demand)
+
+    host = not self.accelerated
+    learner = Learner(*(cpu((t, self.learner.demand), host)[0]
+                        for t in (self.learner.fixed_s, self.learner.per_chunk_s)),
+                      demand=self.learner.demand)
+    return dataclasses.replace(
+        self, env_chunk=[cpu(c) for c in self.env_chunk],
+        act={b: cpu(c, host) for b, c in self.act.items()},
+        value={b: cpu(c, host) for b, c in self.value.items()},
+        rollout_overhead_s=self.rollout_overhead_s * factor,
+        rollout_per_env_s=self.rollout_per_env_s * factor, learner=learner,
+        broadcast_s=self.broadcast_s * factor if host else self.broadcast_s,
+        meta=dict(self.meta, scaled=factor))
+
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
     d["format"] = FORMAT

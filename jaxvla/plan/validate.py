@@ -12,6 +12,13 @@ Steps 1 to 3 run ``repeats`` times per row (:data:`REPEATS` by default). A row h
 when the median prediction is within :data:`THROUGHPUT_TOLERANCE` of the median
 measured env steps/s (relative) and within :data:`STALENESS_TOLERANCE` of its mean
 staleness.
+
+The machine's own speed drifts between the minute the costs are measured and the minute
+the run is (a shared machine's neighbours; docs/results/scaling.md). :func:`machine_speed`,
+a fixed single-core workload, is timed before and after each of the two, and the
+prediction uses the costs :meth:`~jaxvla.plan.costs.Costs.scaled` by the ratio of the
+two speeds (the speed while the costs were measured over the speed while the run was).
+The line also carries the unscaled prediction's error (``raw_relative_error``).
 Both runs use :data:`XLA_FLAGS` (one thread per XLA computation, as the benchmark's
 documented figures do), so an XLA computation is one core's work in both.
 """
@@ -26,8 +33,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import ml_collections
+import numpy as np
 
 from jaxvla import config_files
 from jaxvla.bench import pipeline as bench_pipeline
@@ -40,6 +49,7 @@ STALENESS_TOLERANCE = 0.5
 # validations on one quiet machine (docs/results/scaling.md), more than the tolerance.
 REPEATS = 3
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+SPEED_SECONDS = 1.0  # Per machine_speed reading.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +113,32 @@ def _last_json(stdout: str) -> dict:
   return json.loads(stdout.strip().splitlines()[-1])
 
 
-def measure_row(row: Row, workdir: str) -> tuple[costs_lib.Costs, list[dict]]:
-  """The row's measured stage costs and its benchmark rows (one per mode)."""
+def machine_speed(seconds: float = SPEED_SECONDS) -> float:
+  """Rounds per second of a fixed single-core workload: small matrix products through
+  NumPy (compiled numerics, as XLA's and the simulators' kernels) and a Python loop (the
+  interpreter, as the rollout's bookkeeping). Only ratios between readings mean anything."""
+  a = np.random.default_rng(0).standard_normal((96, 96)).astype(np.float32)
+  rounds, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    b = a
+    for _ in range(20):
+      b = np.tanh(b @ a * 0.01)
+    total = 0
+    for i in range(2000):
+      total += i * i % 7
+    rounds += 1
+  return rounds / (time.perf_counter() - t0)
+
+
+def measure_row(row: Row, workdir: str) -> tuple[costs_lib.Costs, list[dict], dict]:
+  """The row's measured stage costs, its benchmark rows (one per mode) and the machine's
+  speed while each was measured (``costs``, ``run``: the mean of the readings before
+  and after)."""
   costs_path = os.path.join(workdir, "costs.json")
+  speeds = [machine_speed()]
   _run([sys.executable, "-m", "jaxvla.plan", *row.flags(), f"--measure={costs_path}",
         f"--measure_seconds={row.measure_seconds}"])
+  speeds.append(machine_speed())
   common = [*row.flags(), f"--modes={','.join(row.modes)}", f"--updates={row.updates}",
             "--warmup=2"]
   if row.processes == 1:
@@ -115,7 +146,9 @@ def measure_row(row: Row, workdir: str) -> tuple[costs_lib.Costs, list[dict]]:
   else:
     out = _run([sys.executable, "-m", "jaxvla.bench.scaling", *common,
                 f"--processes={row.processes}"])
-  return costs_lib.Costs.load(costs_path), _last_json(out)["rows"]
+  speeds.append(machine_speed())
+  speed = dict(costs=(speeds[0] + speeds[1]) / 2, run=(speeds[1] + speeds[2]) / 2)
+  return costs_lib.Costs.load(costs_path), _last_json(out)["rows"], speed
 
 
 def predict(row: Row, costs: costs_lib.Costs, mode: str, updates: int = 40
@@ -137,29 +170,36 @@ def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None,
   workdir = workdir or tempfile.mkdtemp(prefix="jaxvla_plan_validate_")
   lines = []
   for k, row in enumerate(rows):
-    runs = collections.defaultdict(list)  # mode -> [(measured row, simulator.Result)]
+    # mode -> [(measured row, prediction, unscaled prediction)]
+    runs = collections.defaultdict(list)
+    slowdowns = []  # per repeat: the run's machine against the costs' (> 1: slower)
     for r in range(repeats):
       row_dir = os.path.join(workdir, f"row{k}", f"repeat{r}")
       os.makedirs(row_dir, exist_ok=True)
-      costs, measured = measure_row(row, row_dir)
+      costs, measured, speed = measure_row(row, row_dir)
+      slowdowns.append(speed["costs"] / speed["run"])
       for mode, got in zip(row.modes, measured):
-        runs[mode].append((got, predict(row, costs, mode)))
+        runs[mode].append((got, predict(row, costs.scaled(slowdowns[-1]), mode),
+                           predict(row, costs, mode)))
     for mode in row.modes:
-      got = [g["env_steps_per_s"] for g, _ in runs[mode]]
-      sim = [p.env_steps_per_s for _, p in runs[mode]]
+      got = [g["env_steps_per_s"] for g, _, _ in runs[mode]]
+      sim = [p.env_steps_per_s for _, p, _ in runs[mode]]
+      raw = statistics.median(p.env_steps_per_s for _, _, p in runs[mode])
       measured, predicted = statistics.median(got), statistics.median(sim)
-      stale_measured = statistics.median(g["staleness_mean"] for g, _ in runs[mode])
-      stale_predicted = statistics.median(p.staleness_mean for _, p in runs[mode])
+      stale_measured = statistics.median(g["staleness_mean"] for g, _, _ in runs[mode])
+      stale_predicted = statistics.median(p.staleness_mean for _, p, _ in runs[mode])
       error, stale_error = predicted / measured - 1, stale_predicted - stale_measured
       lines.append(dict(
           row=row.name, mode=mode, processes=row.processes, repeats=repeats,
           measured_env_steps_per_s=measured, predicted_env_steps_per_s=predicted,
-          measured_runs=got, predicted_runs=sim,
+          measured_runs=got, predicted_runs=sim, machine_slowdowns=slowdowns,
           measured_spread=(max(got) - min(got)) / measured, relative_error=error,
+          raw_relative_error=raw / measured - 1,
           measured_staleness=stale_measured, predicted_staleness=stale_predicted,
           staleness_error=stale_error,
           within=abs(error) <= THROUGHPUT_TOLERANCE and abs(stale_error) <= STALENESS_TOLERANCE))
       print(f"{row.name:<52}{mode:<16}{measured:>9.1f}{predicted:>9.1f}{error:>+8.1%}"
+            f"{raw / measured - 1:>+8.1%}{statistics.median(slowdowns):>7.2f}"
             f"{stale_measured:>7.2f}{stale_predicted:>7.2f}{lines[-1]['measured_spread']:>8.0%}"
             f"{'  ok' if lines[-1]['within'] else '  OUT'}", flush=True)
   return dict(
@@ -170,5 +210,5 @@ def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None,
 
 
 def header() -> str:
-  return (f"{'row':<52}{'mode':<16}{'measured':>9}{'sim':>9}{'error':>8}{'stale':>7}"
-          f"{'sim':>7}{'spread':>8}")
+  return (f"{'row':<52}{'mode':<16}{'measured':>9}{'sim':>9}{'error':>8}{'raw':>8}"
+          f"{'slower':>7}{'stale':>7}{'sim':>7}{'spread':>8}")
