@@ -18,7 +18,7 @@ Variants:
           action term's summed chain log-prob (``model.log_prob_steps = "sum"``, where
           piRL takes the mean), the whole-flow method whose gain varies least over
           seeds (docs/results/maniskill.md). ``flow_rl_short`` runs 160k RL env steps,
-          about 10 minutes on 2 cores; it is the test suite's ManiSkill3 learning run.
+          about 8 minutes on 2 cores; it is the test suite's ManiSkill3 learning run.
 
 The RL method of ``sft_rl`` / ``sft_rl_short`` (``VARIANT,METHOD``, e.g.
 ``sft_rl_short,pirl_sde``; docs/results/maniskill.md, "Methods"), every one from the same SFT:
