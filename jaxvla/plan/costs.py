@@ -101,20 +101,19 @@ class Costs:
     if factor <= 0:
       raise ValueError(f"scale factor must be > 0, got {factor}")
 
-    def cpu(cost: Cost, on_host: bool = True) -> Cost:
-      alone, demand = cost
-      return (alone * (1 + (factor - 1) * min(demand, 1.0)) if on_host else alone, demand)
+    def slower(alone: float, demand: float, on_host: bool = True) -> float:
+      return alone * (1 + (factor - 1) * min(demand, 1.0)) if on_host else alone
 
     host = not self.accelerated
-    learner = Learner(*(cpu((t, self.learner.demand), host)[0]
-                        for t in (self.learner.fixed_s, self.learner.per_chunk_s)),
-                      demand=self.learner.demand)
+    table = lambda t: {b: (slower(s, d, host), d) for b, (s, d) in t.items()}
+    learner = self.learner
     return dataclasses.replace(
-        self, env_chunk=[cpu(c) for c in self.env_chunk],
-        act={b: cpu(c, host) for b, c in self.act.items()},
-        value={b: cpu(c, host) for b, c in self.value.items()},
+        self, env_chunk=[(slower(s, d), d) for s, d in self.env_chunk],
+        act=table(self.act), value=table(self.value),
         rollout_overhead_s=self.rollout_overhead_s * factor,
-        rollout_per_env_s=self.rollout_per_env_s * factor, learner=learner,
+        rollout_per_env_s=self.rollout_per_env_s * factor,
+        learner=Learner(slower(learner.fixed_s, learner.demand, host),
+                        slower(learner.per_chunk_s, learner.demand, host), learner.demand),
         broadcast_s=self.broadcast_s * factor if host else self.broadcast_s,
         meta=dict(self.meta, scaled=factor))
 

@@ -13,14 +13,15 @@ when the median prediction is within :data:`THROUGHPUT_TOLERANCE` of the median
 measured env steps/s (relative) and within :data:`STALENESS_TOLERANCE` of its mean
 staleness.
 
+Both runs use :data:`XLA_FLAGS` (one thread per XLA computation, as the benchmark's
+documented figures do), so an XLA computation is one core's work in both.
+
 The machine's own speed drifts between the minute the costs are measured and the minute
 the run is (a shared machine's neighbours; docs/results/scaling.md). :func:`machine_speed`,
 a fixed single-core workload, is timed before and after each of the two, and the
 prediction uses the costs :meth:`~jaxvla.plan.costs.Costs.scaled` by the ratio of the
 two speeds (the speed while the costs were measured over the speed while the run was).
 The line also carries the unscaled prediction's error (``raw_relative_error``).
-Both runs use :data:`XLA_FLAGS` (one thread per XLA computation, as the benchmark's
-documented figures do), so an XLA computation is one core's work in both.
 """
 
 from __future__ import annotations
@@ -184,8 +185,8 @@ def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None,
     for mode in row.modes:
       got = [g["env_steps_per_s"] for g, _, _ in runs[mode]]
       sim = [p.env_steps_per_s for _, p, _ in runs[mode]]
-      raw = statistics.median(p.env_steps_per_s for _, _, p in runs[mode])
       measured, predicted = statistics.median(got), statistics.median(sim)
+      raw_error = statistics.median(p.env_steps_per_s for _, _, p in runs[mode]) / measured - 1
       stale_measured = statistics.median(g["staleness_mean"] for g, _, _ in runs[mode])
       stale_predicted = statistics.median(p.staleness_mean for _, p, _ in runs[mode])
       error, stale_error = predicted / measured - 1, stale_predicted - stale_measured
@@ -194,12 +195,12 @@ def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None,
           measured_env_steps_per_s=measured, predicted_env_steps_per_s=predicted,
           measured_runs=got, predicted_runs=sim, machine_slowdowns=slowdowns,
           measured_spread=(max(got) - min(got)) / measured, relative_error=error,
-          raw_relative_error=raw / measured - 1,
+          raw_relative_error=raw_error,
           measured_staleness=stale_measured, predicted_staleness=stale_predicted,
           staleness_error=stale_error,
           within=abs(error) <= THROUGHPUT_TOLERANCE and abs(stale_error) <= STALENESS_TOLERANCE))
       print(f"{row.name:<52}{mode:<16}{measured:>9.1f}{predicted:>9.1f}{error:>+8.1%}"
-            f"{raw / measured - 1:>+8.1%}{statistics.median(slowdowns):>7.2f}"
+            f"{raw_error:>+8.1%}{statistics.median(slowdowns):>7.2f}"
             f"{stale_measured:>7.2f}{stale_predicted:>7.2f}{lines[-1]['measured_spread']:>8.0%}"
             f"{'  ok' if lines[-1]['within'] else '  OUT'}", flush=True)
   return dict(
