@@ -4,10 +4,34 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
-import tensorboardX
 import tqdm
+
+
+def _import_tensorboardx():
+  """tensorboardX, imported without torch where torch is not loaded yet.
+
+  Its writer module imports torch, if installed, only to accept torch tensors (the
+  simulators install the CPU torch): 1.3 CPU-seconds in every process that writes
+  metrics, for values that are NumPy scalars here. A ``None`` entry in ``sys.modules``
+  makes that ``import torch`` fail as if torch were absent, which tensorboardX handles;
+  the entry is removed at once, so a later ``import torch`` (a simulator in this
+  process) loads it as usual.
+  """
+  if "torch" in sys.modules or "tensorboardX" in sys.modules:
+    import tensorboardX  # pylint: disable=import-outside-toplevel
+    return tensorboardX
+  sys.modules["torch"] = None
+  try:
+    import tensorboardX  # pylint: disable=import-outside-toplevel
+  finally:
+    del sys.modules["torch"]
+  return tensorboardX
+
+
+tensorboardX = _import_tensorboardx()
 
 
 class MetricWriter:
