@@ -7,13 +7,14 @@ import math
 import os
 import subprocess
 import sys
+import time
 import types
 
 import pytest
 
 from jaxvla import config_files, defaults
 from jaxvla.plan import costs as costs_lib
-from jaxvla.plan import engine, placement, simulator
+from jaxvla.plan import engine, placement, profile, simulator
 from jaxvla.runtime import pipeline as pipeline_lib
 from tests import conftest
 
@@ -194,6 +195,23 @@ def test_scaled_costs_slow_only_the_cpu_work():
 
 
 # --------------------------------------------------------------- placement --
+def test_inference_is_timed_after_what_precedes_it_in_a_run():
+  """``_timed(before=...)``: only the calls are timed, and the CPU demand is over the
+  calls (a pause before each must not read as a call that waits)."""
+  calls = []
+
+  def spin():
+    calls.append(time.perf_counter())
+    end = time.perf_counter() + 0.01
+    while time.perf_counter() < end:
+      pass
+
+  walls, demand = profile._timed(spin, 0.0, calls=5, before=lambda: time.sleep(0.03))
+  assert len(walls) == 5 and all(0.01 <= w < 0.025 for w in walls), walls
+  assert demand > 0.8, demand  # (0.25 if the pauses counted)
+  assert min(b - a for a, b in zip(calls, calls[1:])) >= 0.04  # each pause came first
+
+
 def test_h100_costs_are_the_documented_figures():
   c = placement.h100_costs("pi0", 4, 10)
   assert c.act[16][0] == pytest.approx(0.1456)
