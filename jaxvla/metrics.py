@@ -20,7 +20,7 @@ def _import_tensorboardx():
   the entry is removed at once, so a later ``import torch`` (a simulator in this
   process) loads it as usual.
   """
-  if "torch" in sys.modules or "tensorboardX" in sys.modules:
+  if "torch" in sys.modules:
     import tensorboardX  # pylint: disable=import-outside-toplevel
     return tensorboardX
   sys.modules["torch"] = None

@@ -194,24 +194,28 @@ def test_scaled_costs_slow_only_the_cpu_work():
     c.scaled(0.0)
 
 
-# --------------------------------------------------------------- placement --
 def test_inference_is_timed_after_what_precedes_it_in_a_run():
   """``_timed(before=...)``: only the calls are timed, and the CPU demand is over the
-  calls (a pause before each must not read as a call that waits)."""
-  calls = []
+  calls (a pause before each must not read as a call that waits). The CPU clock is the
+  calls' own: each call adds its wall time, so the demand is 1 exactly unless the pauses
+  count (0.25 then)."""
+  calls, cpu = [], [0.0]
 
   def spin():
-    calls.append(time.perf_counter())
-    end = time.perf_counter() + 0.01
-    while time.perf_counter() < end:
+    start = time.perf_counter()
+    calls.append(start)
+    while time.perf_counter() < start + 0.01:
       pass
+    cpu[0] += time.perf_counter() - start
 
-  walls, demand = profile._timed(spin, 0.0, calls=5, before=lambda: time.sleep(0.03))
+  walls, demand = profile._timed(spin, 0.0, cpu=lambda: cpu[0], calls=5,
+                                 before=lambda: time.sleep(0.03))
   assert len(walls) == 5 and all(0.01 <= w < 0.025 for w in walls), walls
-  assert demand > 0.8, demand  # (0.25 if the pauses counted)
+  assert demand == pytest.approx(1.0, rel=1e-3), demand
   assert min(b - a for a, b in zip(calls, calls[1:])) >= 0.04  # each pause came first
 
 
+# --------------------------------------------------------------- placement --
 def test_h100_costs_are_the_documented_figures():
   c = placement.h100_costs("pi0", 4, 10)
   assert c.act[16][0] == pytest.approx(0.1456)
