@@ -10,7 +10,7 @@ ColorReach, the tiny pi0, a behaviour-cloning warm start, then PPO.
 import ml_collections
 
 from jaxvla.data import config as data_config
-from jaxvla.parallel import sharding
+from jaxvla.parallel import axes
 
 
 # Keys that moved: old dotted path -> new. A config or command line that still sets an
@@ -128,7 +128,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.fsdp = -1  # Learner mesh: FSDP axis size (-1: every device data and tensor leave).
   c.mesh.tensor = 1  # Learner mesh: tensor-parallel axis size (heads / MLP hidden).
   c.mesh.rollout_devices = ""  # Rollout devices: '' the learner's, 'N' the last N, '0.25', '6,7'.
-  c.mesh.rules = sharding.DEFAULT_RULES  # Logical axis -> mesh axes (see jaxvla/parallel/sharding.py).
+  c.mesh.rules = axes.DEFAULT_RULES  # Logical axis -> mesh axes (see jaxvla/parallel/sharding.py).
 
   c.bc = ml_collections.ConfigDict()
   c.bc.num_episodes = 3000  # Scripted-expert episodes collected for the warm start.

@@ -44,6 +44,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxvla.parallel import axes
+
 log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -52,21 +54,7 @@ BATCH_AXES = ("data", "fsdp")  # The mesh axes of the leading batch dimension by
 Rules = Sequence[tuple[str, Any]]
 LogicalAxes = Sequence[str | None]
 
-# Logical axis -> mesh axes: the default of config.mesh.rules (model code names logical
-# axes only). Batch and embedding dims FSDP-sharded, heads and MLP tensor-parallel.
-DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", None),
-    ("head_dim", None),
-    ("layers", None),
-    ("action", None),
-    ("patch", None),
-    ("channels", None),
-)
+DEFAULT_RULES = axes.DEFAULT_RULES  # (owned by jaxvla.parallel.axes: no jax there)
 
 
 # ---------------------------------------------------------------------- mesh --
