@@ -11,6 +11,7 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -828,8 +829,27 @@ def test_collect_success_only_records_successes_and_fails_when_too_few(tmp_path)
   assert not os.path.exists(tmp_path / "none")
 
 
+def test_rlds_reader_parses_a_dataset_that_fits_its_cache_once(datasets, monkeypatch):
+  """Shuffled BC reads hit the parsed-episode cache when the dataset fits its byte budget
+  (each miss parses a whole episode record), and evict the oldest past it."""
+  def reads(reader) -> int:
+    parsed = []
+    parse = reader._parser.parse_example
+    monkeypatch.setattr(reader._parser, "parse_example",
+                        lambda raw: parsed.append(1) or parse(raw))
+    jobs = [(e, s) for e, n in enumerate(LENGTHS) for s in range(n)]
+    for e, s in random.Random(0).sample(jobs, len(jobs)):
+      reader.images(e, s)
+    return len(parsed)
+  assert reads(loader.open_reader(_configs(datasets)["rlds"])) == 0  # (parsed at open)
+  monkeypatch.setattr(rlds, "_CACHE_BYTES", 1)  # one episode at a time
+  reader = loader.open_reader(_configs(datasets)["rlds"])
+  assert len(reader._cache) == 1
+  assert reads(reader) > len(LENGTHS)
+
+
 @pytest.mark.parametrize("name,module,cache,rounds", [
-    ("rlds", rlds, "_CACHED_EPISODES", 20),  # (20 rounds fail the unlocked code)
+    ("rlds", rlds, "_CACHE_BYTES", 20),  # (20 rounds fail the unlocked code)
     ("v21_inline", lerobot, "_CACHED_ROW_GROUPS", 3)])  # (decoding PNGs is the slow part)
 def test_read_threads_share_the_readers_cache(datasets, monkeypatch, name, module, cache,
                                               rounds):

@@ -36,9 +36,11 @@ from jaxvla.data import episodes as episodes_lib
 from jaxvla.data.episodes import DataError, Features
 
 _INFO_FILE = "dataset_info.json"
-# Parsed episodes kept per process: consecutive samples from one episode (tests, evaluation)
-# parse it once; shuffled training reads mostly miss, which costs one record parse.
-_CACHED_EPISODES = 4
+# Parsed episodes kept per process (images still encoded), the least recently used
+# evicted past this many bytes: a dataset that fits (demonstrations of a few hundred
+# episodes) is parsed once; a larger one, read in shuffled order, mostly misses, which
+# costs one record parse per sample (about two thirds of a shuffled batch's CPU time).
+_CACHE_BYTES = 256 << 20
 
 
 def find_dataset_dir(path: str) -> str | None:
@@ -69,6 +71,14 @@ def _flat_features(features) -> dict[str, Any]:
     else:
       flat[name] = feature
   return flat
+
+
+def _nbytes(values: Any) -> int:
+  """Bytes held by one parsed step feature: an array, or encoded images as bytes objects."""
+  values = np.asarray(values)
+  if values.dtype == object:
+    return sum(len(v) if isinstance(v, bytes) else 64 for v in values.reshape(-1))
+  return values.nbytes
 
 
 def _flat_values(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -134,7 +144,8 @@ class RldsReader:
         split=split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
     self._parser = tfds.core.example_parser.ExampleParserNp(
         info.features.get_serialized_info())
-    self._cache: collections.OrderedDict[int, dict] = collections.OrderedDict()
+    self._cache: collections.OrderedDict[int, tuple[dict, int]] = collections.OrderedDict()
+    self._cache_bytes = 0
     self._cache_lock = threading.Lock()
     self.table = self._read_table()
 
@@ -171,10 +182,10 @@ class RldsReader:
     # grain's read threads share the cache: check, reorder and evict under one lock
     # (another thread's eviction between the check and the read was a KeyError).
     with self._cache_lock:
-      steps = self._cache.get(episode)
-      if steps is not None:
+      cached = self._cache.get(episode)
+      if cached is not None:
         self._cache.move_to_end(episode)
-        return steps
+        return cached[0]
     try:
       raw = self._source[episode]
       values = _flat_values(self._parser.parse_example(raw))
@@ -182,10 +193,13 @@ class RldsReader:
       raise DataError(f"{self._dir}: episode {episode} of split '{self.split}' is unreadable "
                       f"({type(e).__name__}: {e})") from e
     steps = {k[len("steps/"):]: v for k, v in values.items() if k.startswith("steps/")}
+    size = sum(_nbytes(v) for v in steps.values())
     with self._cache_lock:
-      self._cache[episode] = steps
-      if len(self._cache) > _CACHED_EPISODES:
-        self._cache.popitem(last=False)
+      if episode not in self._cache:  # (another thread may have parsed it meanwhile)
+        self._cache[episode] = steps, size
+        self._cache_bytes += size
+      while self._cache_bytes > _CACHE_BYTES and len(self._cache) > 1:
+        self._cache_bytes -= self._cache.popitem(last=False)[1][1]
     return steps
 
   def _read_table(self) -> episodes_lib.EpisodeTable:
@@ -216,7 +230,7 @@ class RldsReader:
   def __getstate__(self) -> dict:
     # grain's worker processes get a copy: the cache is per process.
     state = dict(self.__dict__)
-    state["_cache"] = collections.OrderedDict()
+    state["_cache"], state["_cache_bytes"] = collections.OrderedDict(), 0
     del state["_cache_lock"]  # (not picklable; a fresh one per process)
     return state
 
