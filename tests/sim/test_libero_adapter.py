@@ -99,6 +99,28 @@ def test_time_limit_auto_reset_and_group_members_share_init_states():
     env.close()
 
 
+def test_fast_render_turns_multisampling_and_reflections_off():
+  import mujoco  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=r"env\.render_quality='low'.*'full', 'fast'"):
+    libero_env.LiberoEnv("libero_spatial/0", 1, render_quality="low")
+  obs, flags = {}, {}
+  # One env at a time: robosuite renders in whichever GL context was made last.
+  for quality in libero_env.RENDER_QUALITIES:
+    env = libero_env.LiberoEnv("libero_spatial/0", 1, image_size=32, render_quality=quality)
+    try:
+      obs[quality] = env.reset(0)
+      sim = env._envs[0].env.sim
+      flags[quality] = (sim.model._model.vis.quality.offsamples, int(
+          sim._render_context_offscreen.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION]))
+    finally:
+      env.close()
+  assert flags == {"full": (4, 1), "fast": (0, 0)}, flags
+  a, b = obs["full"], obs["fast"]
+  np.testing.assert_array_equal(a.state, b.state)  # the same scene and robot
+  diff = np.abs(a.images.astype(np.float32) - b.images).mean(axis=(0, 2, 3, 4))  # [cam]
+  assert (diff > 0.5).all() and (diff < 20).all(), diff  # other edges, the same picture
+
+
 @pytest.mark.run_first  # (started first: the step's tests run in parallel)
 def test_training_loop_runs_on_libero(tmp_path):
   """Training on LIBERO in the full-async pipeline (first-ready batches of the worker
