@@ -39,7 +39,7 @@ _INFO_FILE = "dataset_info.json"
 # Parsed episodes kept per process (images still encoded), the least recently used
 # evicted past this many bytes: a dataset that fits (demonstrations of a few hundred
 # episodes) is parsed once; a larger one, read in shuffled order, mostly misses, which
-# costs one record parse per sample (about two thirds of a shuffled batch's CPU time).
+# costs one record parse per sample (half of a shuffled batch's CPU time here).
 _CACHE_BYTES = 256 << 20
 
 
