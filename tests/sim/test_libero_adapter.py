@@ -133,6 +133,7 @@ def test_training_loop_runs_on_libero(tmp_path):
   c.rollout_len = 2
   c.env.max_episode_steps = 10  # one-chunk evaluation episodes (eval runs in-process)
   c.env.settle_steps = 2
+  c.env.render_quality = "fast"  # (the pipeline under test, not LIBERO's renderer)
   c.eval.num_episodes = 2
   c.log.progress = False
   summary = train.train_and_evaluate(c, str(tmp_path / "run"))
