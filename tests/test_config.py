@@ -195,3 +195,12 @@ def test_libero_bench_config():
   assert (tiny.model.variant, tiny.env.name, tiny.pipeline.streamer) == ("tiny", "libero", True)
   with pytest.raises(ValueError, match="unknown model 'big' of configs/libero_bench.py"):
     libero_bench.get_config("big")
+
+
+def test_main_parses_flags_without_importing_jax():
+  """Each spawned env worker re-imports ``jaxvla.main`` (multiprocessing's ``spawn``), so
+  what it imports at the top is paid once per worker: flags and configs only, not jax."""
+  code = "import sys, jaxvla.main; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, check=True).stdout
+  assert out.strip() == "[]", out
