@@ -197,8 +197,9 @@ def test_scaled_costs_slow_only_the_cpu_work():
 def test_inference_is_timed_after_what_precedes_it_in_a_run():
   """``_timed(before=...)``: only the calls are timed, and the CPU demand is over the
   calls (a pause before each must not read as a call that waits). The CPU clock is the
-  calls' own: each call adds its wall time, so the demand is 1 exactly unless the pauses
-  count (0.25 then)."""
+  calls' own: each call adds the time it spun, so the demand is 1 (a little less when the
+  process is preempted between the timer and the call: 0.995 on a loaded machine) unless
+  the pauses count (0.25 then)."""
   calls, cpu = [], [0.0]
 
   def spin():
@@ -211,7 +212,7 @@ def test_inference_is_timed_after_what_precedes_it_in_a_run():
   walls, demand = profile._timed(spin, 0.0, cpu=lambda: cpu[0], calls=5,
                                  before=lambda: time.sleep(0.03))
   assert len(walls) == 5 and all(0.01 <= w < 0.025 for w in walls), walls
-  assert demand == pytest.approx(1.0, rel=1e-3), demand
+  assert 0.9 < demand <= 1.0 + 1e-9, demand
   assert min(b - a for a, b in zip(calls, calls[1:])) >= 0.04  # each pause came first
 
 
