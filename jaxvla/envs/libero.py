@@ -49,7 +49,7 @@ CAMERAS = ("agentview_image", "robot0_eye_in_hand_image")
 STATE_DIM = 8
 ACTION_DIM = 7
 SETTLE_ACTION = np.array([0.0] * 6 + [-1.0])  # no motion, gripper open
-RENDER_QUALITIES = ("full", "fast")
+RENDER_QUALITIES = ("full", "fast")  # (the first: LIBERO's own, the default)
 
 
 def parse_task(task: str) -> tuple[str, int]:
@@ -224,5 +224,5 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
                    settle_steps=config.settle_steps, seed=seed,
                    group_size=config.group_size if group_size is None else group_size,
                    first_env_id=first_env_id, total_envs=total_envs,
-                   # (absent from configs written before the key existed)
-                   render_quality=config.get("render_quality", "full"))
+                   # (absent from configs written before the key existed: LIBERO's own)
+                   render_quality=config.get("render_quality", RENDER_QUALITIES[0]))

@@ -55,8 +55,8 @@ def test_two_spatial_tasks_end_to_end(tmp_path):
   policy_io.write_spec(export, spec)
 
   tasks = ["libero_spatial/0", "libero_spatial/1"]
-  # One episode per task in one worker process: a LIBERO step on the CPU costs ~0.07 s fast-rendered,
-  # nearly all of it MuJoCo's software rendering of the two cameras. Several episodes
+  # One episode per task in one worker process: a fast-rendered LIBERO step on the CPU
+  # costs ~0.07 s, most of it MuJoCo's software rendering of the two cameras. Several episodes
   # per task over several envs, and the video limit, are tests/test_eval.py's (built-in
   # env); LIBERO's init state per episode is test_episode_e_starts_from_init_state_e's.
   results = eval_lib.run(export, str(tmp_path / "eval"), tasks=tasks, episodes_per_task=1,
