@@ -86,6 +86,56 @@ def test_sync_throughput_is_the_closed_form_of_one_lockstep_iteration():
   assert r.staleness_mean == 0 and r.dropped_env_steps == 0
 
 
+def test_episode_ends_add_their_reset_from_the_start_of_the_run():
+  """Every env starts an episode with the run; the chunk that ends one adds a reset
+  sample. Lockstep with every env ending together: the iteration that holds the resets
+  is one reset longer, so a window's throughput depends on whether it holds one."""
+  s = simulator.Setup(num_envs=2, env_workers=2, rollout_len=2, micro_batch_segments=2,
+                      num_minibatches=1)
+  plain = _costs(env_s=(0.1,), fixed_s=0.0, per_chunk_s=1e-6, act_s=1e-6, value_s=1e-6,
+                 overhead_s=0.0)
+  resets = dataclasses.replace(plain, env_reset=[(0.3, 1.0)], episode_chunks=4.0)
+  # Updates of 2 chunks: episodes end in the chunks of updates 2, 4, ...; a window of
+  # updates 3-4 holds one reset, one of update 3 alone holds none.
+  base = simulator.simulate(s, plain, updates=2, warmup=2)
+  held = simulator.simulate(s, resets, updates=2, warmup=2)
+  assert held.seconds == pytest.approx(base.seconds + 0.3, rel=1e-3)
+  assert simulator.simulate(s, resets, updates=1, warmup=2).seconds == pytest.approx(
+      simulator.simulate(s, plain, updates=1, warmup=2).seconds, rel=1e-6)
+  # The standalone env rate amortises the reset over the episode.
+  assert simulator.stage_rates(s, resets)["env"] == pytest.approx(
+      simulator.stage_rates(s, plain)["env"] * 0.1 / (0.1 + 0.3 / 4))
+  # A chunk that ended its episode early (a negative reset) costs less, never below 0.
+  short = dataclasses.replace(plain, env_reset=[(-0.05, 1.0)], episode_chunks=4.0)
+  assert simulator.simulate(s, short, updates=2, warmup=2).seconds == pytest.approx(
+      base.seconds - 0.05, rel=1e-3)
+  gone = dataclasses.replace(plain, env_reset=[(-1.0, 1.0)], episode_chunks=4.0)
+  assert simulator.simulate(s, gone, updates=2, warmup=2).seconds == pytest.approx(
+      base.seconds - 0.1, rel=1e-3)
+  # A non-integer mean: episodes of 2 and 3 chunks, 2.5 on average.
+  proc = simulator._Run(s, dataclasses.replace(resets, episode_chunks=2.5), 0).processes[0]
+  lengths = []
+  for _ in range(400):
+    proc._new_episode(0)
+    lengths.append(int(proc.episode_left[0]))
+  assert set(lengths) == {2, 3} and sum(lengths) / 400 == pytest.approx(2.5, abs=0.15)
+
+
+def test_a_streamed_update_adds_its_cost_per_item():
+  """L3 trains each item as it arrives: ``learner.item_s`` per item on top of the whole
+  update's model (the learner alone: no envs, act or value to speak of)."""
+  s = simulator.Setup(num_envs=8, env_workers=0, rollout_len=2, micro_batch_segments=2,
+                      num_minibatches=2, streamer=True, train_async=True)
+  c = _costs(env_s=(1e-6,), act_s=1e-6, value_s=1e-6, overhead_s=0.0, fixed_s=0.01,
+             per_chunk_s=0.001)
+  slow = dataclasses.replace(c, learner=costs_lib.Learner(0.01, 0.001, 1.0, item_s=0.005))
+  update = 2 * 0.01 + 16 * 0.001  # 2 optimizer steps, 16 chunks; 4 items of 4 chunks
+  assert simulator.stage_rates(s, c)["learner"] == pytest.approx(16 * 5 / update)
+  assert simulator.stage_rates(s, slow)["learner"] == pytest.approx(16 * 5 / (update + 0.02))
+  assert simulator.simulate(s, slow, updates=4).learner_busy > simulator.simulate(
+      s, c, updates=4).learner_busy
+
+
 def test_cores_shared_by_demand_slow_the_env_workers():
   s = simulator.Setup(num_envs=8, env_workers=8, rollout_len=2, micro_batch_segments=8,
                       num_minibatches=1)
@@ -158,11 +208,19 @@ def test_setup_reads_the_pipelines_own_switches():
 # -------------------------------------------------------------- cost files --
 def test_costs_round_trip_and_name_what_is_wrong(tmp_path):
   c = _costs(env_s=(0.01, 0.03))
+  c.env_reset, c.episode_chunks = [(0.05, 1.0)], 22.0
+  c.learner.item_s = 0.004
   path = str(tmp_path / "costs.json")
   c.save(path)
   back = costs_lib.Costs.load(path)
   assert back.act == c.act and back.env_chunk == c.env_chunk and back.learner == c.learner
+  assert back.env_reset == c.env_reset and back.episode_chunks == 22.0
   d = json.load(open(path, encoding="utf-8"))
+  # A file from before resets and streamed items were measured: neither is modelled.
+  older = {k: v for k, v in d.items() if k not in ("env_reset", "episode_chunks")}
+  older["learner"] = {k: v for k, v in d["learner"].items() if k != "item_s"}
+  old = costs_lib.Costs.from_json(older)
+  assert old.env_reset == [] and old.episode_chunks == 0.0 and old.learner.item_s == 0.0
   del d["broadcast_s"]
   json.dump(d, open(path, "w", encoding="utf-8"))
   with pytest.raises(ValueError, match=r"costs.json: missing key 'broadcast_s'"):
@@ -183,8 +241,11 @@ def test_act_cost_interpolates_between_measured_batches():
 
 def test_scaled_costs_slow_only_the_cpu_work():
   c = _costs(env_s=(0.02,), demand=0.25, act_s=0.004, fixed_s=0.01, overhead_s=0.001)
+  c.env_reset, c.learner.item_s = [(0.04, 0.25)], 0.003
   s = c.scaled(2.0)  # cores twice as slow
   assert s.env_chunk == [(pytest.approx(0.02 * 1.25), 0.25)]  # a quarter of it computes
+  assert s.env_reset == [(pytest.approx(0.04 * 1.25), 0.25)]
+  assert s.learner.item_s == pytest.approx(0.006)
   assert s.act_cost(1)[0] == pytest.approx(0.008) and s.learner.fixed_s == pytest.approx(0.02)
   assert s.rollout_overhead_s == pytest.approx(0.002) and s.meta["scaled"] == 2.0
   gpu = dataclasses.replace(c, backend="gpu").scaled(2.0)  # the device's work keeps its time
@@ -214,6 +275,17 @@ def test_inference_is_timed_after_what_precedes_it_in_a_run():
   assert len(walls) == 5 and all(0.01 <= w < 0.025 for w in walls), walls
   assert 0.9 < demand <= 1.0 + 1e-9, demand
   assert min(b - a for a, b in zip(calls, calls[1:])) >= 0.04  # each pause came first
+
+
+def test_chunks_that_end_an_episode_give_the_reset_its_own_samples():
+  chunks, resets = profile._split_resets(
+      [(0.1, False), (0.3, False), (0.5, True), (0.15, True)], 0.9)
+  assert chunks == [(0.1, 0.9), (0.3, 0.9)]
+  # Beyond the mean ordinary chunk (0.2); an episode that ended early in its chunk
+  # skipped steps and reads negative, so both kinds keep their measured mean.
+  assert resets == [(pytest.approx(0.3), 0.9), (pytest.approx(-0.05), 0.9)]
+  chunks, resets = profile._split_resets([(0.1, True)], 1.0)  # (no ordinary chunk)
+  assert chunks == [(0.1, 1.0)] and resets == [(0.0, 1.0)]
 
 
 # --------------------------------------------------------------- placement --

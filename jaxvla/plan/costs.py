@@ -15,7 +15,16 @@ Fields (``FORMAT`` 1):
   accelerator (``gpu``, ``tpu``: each on its device).
 * ``chunk_len``: env steps per action chunk.
 * ``env_chunk``: samples ``[alone_s, demand]`` of one env executing one chunk in a worker
-  process, the worker's round trip included.
+  process, the worker's round trip included; chunks in which an episode ended are left
+  out (``env_reset``).
+* ``env_reset`` (optional, default none): samples ``[alone_s, demand]`` of what a chunk in
+  which the env's episode ended costs beyond the mean ordinary one: the env's auto-reset
+  (LIBERO re-places its scene and settles it: about 1.5 chunks' time), less the steps
+  skipped by an episode that ended early in the chunk (then it can be negative).
+* ``episode_chunks`` (optional, default 0: episodes are not modelled): chunks per
+  episode, the mean over the episodes that ended while the costs were measured, or the
+  env's time limit in chunks when none did. The simulator ends every env's episode after
+  that many chunks, from the start of the run, as the env pool's auto-reset does.
 * ``act``, ``value``: ``{batch rows: [alone_s, demand]}`` of one inference call at each
   padded batch size measured; other sizes are interpolated linearly (and extrapolated
   from the two largest).
@@ -26,7 +35,9 @@ Fields (``FORMAT`` 1):
   ``value`` and the wait for the envs are taken out).
 * ``learner``: ``fixed_s`` per optimizer step, ``per_chunk_s`` per chunk per pass, and
   ``demand``; one PPO update of ``E`` epochs over ``M`` minibatches and ``N`` chunks takes
-  ``E * (M * fixed_s + N * per_chunk_s)``.
+  ``E * (M * fixed_s + N * per_chunk_s)``. ``item_s`` (optional, default 0): what a
+  streamed update (L3) costs per item beyond that: each item's own gradient call and its
+  accumulation, and the later minibatches' pass under the update's first params.
 * ``broadcast_s``: one weight broadcast, from the publish until the copy has landed.
 * ``meta``: where and how it was measured (free-form; the device, the date, the config).
 """
@@ -49,6 +60,7 @@ class Learner:
   fixed_s: float
   per_chunk_s: float
   demand: float = 1.0
+  item_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -64,6 +76,8 @@ class Costs:
   rollout_per_env_s: float
   learner: Learner
   broadcast_s: float
+  env_reset: list[Cost] = dataclasses.field(default_factory=list)
+  episode_chunks: float = 0.0
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -80,6 +94,8 @@ class Costs:
         raise ValueError(f"{where}: {key} needs batch sizes >= 1 and times > 0, got {table}")
     if self.cores <= 0 or self.chunk_len < 1:
       raise ValueError(f"{where}: need cores > 0 and chunk_len >= 1")
+    if self.episode_chunks < 0:
+      raise ValueError(f"{where}: need episode_chunks >= 0, got {self.episode_chunks}")
 
   @property
   def accelerated(self) -> bool:
@@ -109,11 +125,13 @@ class Costs:
     learner = self.learner
     return dataclasses.replace(
         self, env_chunk=[(slower(s, d), d) for s, d in self.env_chunk],
+        env_reset=[(slower(s, d), d) for s, d in self.env_reset],
         act=table(self.act), value=table(self.value),
         rollout_overhead_s=self.rollout_overhead_s * factor,
         rollout_per_env_s=self.rollout_per_env_s * factor,
         learner=Learner(slower(learner.fixed_s, learner.demand, host),
-                        slower(learner.per_chunk_s, learner.demand, host), learner.demand),
+                        slower(learner.per_chunk_s, learner.demand, host), learner.demand,
+                        slower(learner.item_s, learner.demand, host)),
         broadcast_s=self.broadcast_s * factor if host else self.broadcast_s,
         meta=dict(self.meta, scaled=factor))
 
@@ -123,6 +141,7 @@ class Costs:
     for key in ("act", "value"):
       d[key] = {str(b): list(c) for b, c in sorted(getattr(self, key).items())}
     d["env_chunk"] = [list(c) for c in self.env_chunk]
+    d["env_reset"] = [list(c) for c in self.env_reset]
     return d
 
   def save(self, path: str) -> None:
@@ -145,7 +164,8 @@ class Costs:
                  rollout_overhead_s=float(d["rollout_overhead_s"]),
                  rollout_per_env_s=float(d["rollout_per_env_s"]),
                  learner=Learner(**d["learner"]), broadcast_s=float(d["broadcast_s"]),
-                 meta=meta)
+                 env_reset=[(float(s), float(p)) for s, p in d.get("env_reset", [])],
+                 episode_chunks=float(d.get("episode_chunks", 0.0)), meta=meta)
     except KeyError as e:
       raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

@@ -1,9 +1,12 @@
 """Measures a config's stage costs (:class:`jaxvla.plan.costs.Costs`) on this machine.
 
 Each stage alone, as the simulator needs it: one env's chunk in a worker process (or
-in this process when ``env_workers = 0``), ``act`` and ``value`` at every padded batch size
-the rollout can use, the host time around an inference call, a PPO update at two batch
-sizes (its fixed and per-chunk parts), and one weight broadcast. CPU demand is the CPU
+in this process when ``env_workers = 0``), stepped until an episode has ended too (the
+chunks that end one are the reset's samples, and the episodes' length is counted),
+``act`` and ``value`` at every padded batch size the rollout can use, the host time
+around an inference call, a PPO update at two batch sizes (its fixed and per-chunk
+parts) and the streamer's update (its cost per item beyond those), and one weight
+broadcast. CPU demand is the CPU
 seconds of the process doing the work (the env worker's, or this one's) over the wall
 seconds; on an accelerator ``act`` and the learner are the device's (demand 1).
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import platform
 import statistics
@@ -110,27 +114,39 @@ def measure(config: ml_collections.ConfigDict, seconds: float = 3.0) -> costs_li
     # and leaves a few chunks (ManiSkill3: 20 to 83 in 3 s, their mean 10 to 16 ms).
     policy_actions(obs)
     cpu = _pool_cpu(env) if workers else time.process_time
-    busy0, c0, walls = env.stats.worker_busy_s if workers else 0.0, cpu(), []
+    busy0, c0, walls, ends = env.stats.worker_busy_s if workers else 0.0, cpu(), [], []
+    # Until an episode has ended too (its reset is a cost of its own), within two time
+    # limits: an episode may also end sooner (success).
+    limit = math.ceil(env.spec.max_episode_steps / chunk)
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds or len(walls) < _MIN_CHUNKS:
+    while (time.perf_counter() - t0 < seconds or len(walls) < _MIN_CHUNKS
+           or (not any(ends) and len(walls) < 2 * limit)):
       actions = policy_actions(obs)
       start = time.perf_counter()
-      obs = env.step_chunk(actions).obs
+      step = env.step_chunk(actions)
       walls.append(time.perf_counter() - start)
+      ends.append(bool(step.terminated[0] or step.truncated[0]))
+      obs = step.obs
     if workers:  # The worker's own time: its CPU seconds over its busy seconds.
       busy = env.stats.worker_busy_s - busy0
       demand = (cpu() - c0) / max(busy, 1e-9)
       walls = [w * busy / sum(walls) for w in walls]  # (the round trip's share is the parent's)
     else:
       demand = (cpu() - c0) / sum(walls)
-    env_chunk = [(w, demand) for w in walls]
+    samples = list(zip(walls, ends))
+    # Chunks per episode: through the last episode that ended, over the episodes.
+    ended_at = [i + 1 for i, ended in enumerate(ends) if ended]
+    episode_chunks = ended_at[-1] / len(ended_at) if ended_at else float(limit)
     # Cores to spare (one kept for this process): more samples of a long tail, at once.
     parallel = min(_MAX_PARALLEL_ENVS, int((_cores() - 1) / max(demand, 1e-3)))
     if workers and parallel >= 2:
-      env_chunk += [(w, demand) for w in _parallel_chunks(c, parallel, seconds,
-                                                          policy_actions)]
-    logging.info("env: %d chunks, median %.4f s, demand %.2f", len(env_chunk),
-                 statistics.median(s for s, _ in env_chunk), demand)
+      samples += _parallel_chunks(c, parallel, seconds, policy_actions)
+    env_chunk, env_reset = _split_resets(samples, demand)
+    logging.info("env: %d chunks, median %.4f s, demand %.2f; %d episode ends, %.4f s "
+                 "each beyond a chunk, %.1f chunks per episode", len(env_chunk),
+                 statistics.median(s for s, _ in env_chunk), demand, len(env_reset),
+                 statistics.mean(s for s, _ in env_reset) if env_reset else 0.0,
+                 episode_chunks)
     # One segment of the config's length from the one env, for the learner below.
     builder = segments_lib.SegmentBuilder(1, c.rollout_len, 1)
     rollout = rollout_lib.Rollout(env, parts.policy, parts.act, parts.value,
@@ -164,8 +180,8 @@ def measure(config: ml_collections.ConfigDict, seconds: float = 3.0) -> costs_li
   return costs_lib.Costs(
       cores=_cores(), backend=jax.default_backend(), chunk_len=chunk, env_chunk=env_chunk,
       act=act, value=value, rollout_overhead_s=overhead, rollout_per_env_s=per_env,
-      learner=learner,
-      broadcast_s=broadcast_s,
+      learner=learner, broadcast_s=broadcast_s, env_reset=env_reset,
+      episode_chunks=episode_chunks,
       meta=dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                 device=jax.devices()[0].device_kind, jax=jax.__version__,
                 machine=platform.machine(), xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -187,11 +203,25 @@ def _policy_actions(parts: bench_pipeline.Parts, params
   return actions
 
 
+def _split_resets(samples: list[tuple[float, bool]], demand: float
+                  ) -> tuple[list[costs_lib.Cost], list[costs_lib.Cost]]:
+  """``(env_chunk, env_reset)`` from ``(seconds, episode ended)`` chunk samples: the
+  chunks in which no episode ended, and what each one that ended took beyond their mean.
+  Not clipped at 0: an episode that ended a few steps into its chunk skips the rest, and
+  a reset that costs less reads negative, so the two kinds of chunk keep their measured
+  mean (clipping a long tail's differences at 0 would add its spread as a cost)."""
+  plain = [w for w, ended in samples if not ended] or [w for w, _ in samples]
+  mean = statistics.mean(plain)
+  return ([(w, demand) for w in plain],
+          [(w - mean, demand) for w, ended in samples if ended])
+
+
 def _parallel_chunks(c: ml_collections.ConfigDict, count: int, seconds: float,
                      policy_actions: Callable[[protocol.Observation], np.ndarray]
-                     ) -> list[float]:
+                     ) -> list[tuple[float, bool]]:
   """Chunk times of ``count`` one-env workers stepping at once (each env sent its next
-  chunk as soon as its last is back), scaled to the workers' own busy time."""
+  chunk as soon as its last is back), scaled to the workers' own busy time, each with
+  whether the env's episode ended in it."""
   pool = make_vec_env(c.env, count, c.seed + 1, num_workers=count,
                       step_timeout_s=c.env_step_timeout_s, hang_floor_s=c.env_hang_floor_s)
   try:
@@ -204,17 +234,18 @@ def _parallel_chunks(c: ml_collections.ConfigDict, count: int, seconds: float,
       sent.update({int(i): now for i in ids})
 
     send(np.arange(count), obs)
-    busy0, walls, t0 = pool.stats.worker_busy_s, [], time.perf_counter()
+    busy0, walls, ends, t0 = pool.stats.worker_busy_s, [], [], time.perf_counter()
     while time.perf_counter() - t0 < seconds or len(walls) < _MIN_CHUNKS:
       ids, result = pool.recv(1, 0.0)
       walls.append(time.perf_counter() - sent.pop(int(ids[0])))
+      ends.append(bool(result.terminated[0] or result.truncated[0]))
       send(ids, result.obs)
     busy = pool.stats.worker_busy_s - busy0
   finally:
     pool.close()
   # (the in-flight chunks' busy time is not counted yet: scale by the chunks counted)
   scale = min(1.0, busy / max(sum(walls), 1e-9))
-  return [w * scale for w in walls]
+  return [(w * scale, ended) for w, ended in zip(walls, ends)]
 
 
 def _rollout_overhead(parts: bench_pipeline.Parts, params, obs: protocol.Observation,
@@ -293,9 +324,38 @@ def _learner_costs(c: ml_collections.ConfigDict, parts: bench_pipeline.Parts, se
     per_chunk = times[sizes[0]] / (epochs * chunks[sizes[0]])
   fixed = max(0.0, (times[sizes[0]] / epochs - chunks[sizes[0]] * per_chunk) / m)
   demand = 1.0 if jax.default_backend() != "cpu" else statistics.mean(demands)
-  logging.info("learner: updates %s s, fixed %.4f s, per chunk %.5f s, demand %.2f",
-               times, fixed, per_chunk, demand)
-  return costs_lib.Learner(fixed_s=fixed, per_chunk_s=per_chunk, demand=demand)
+  item_s = _streamed_item_s(c, parts, segment, fixed, per_chunk, seconds)
+  logging.info("learner: updates %s s, fixed %.4f s, per chunk %.5f s, demand %.2f, "
+               "streamed %.4f s more per item", times, fixed, per_chunk, demand, item_s)
+  return costs_lib.Learner(fixed_s=fixed, per_chunk_s=per_chunk, demand=demand, item_s=item_s)
+
+
+def _streamed_item_s(c: ml_collections.ConfigDict, parts: bench_pipeline.Parts, segment,
+                     fixed_s: float, per_chunk_s: float, seconds: float) -> float:
+  """What the streamer's update (L3, :meth:`Learner.streamed_update`) takes per item
+  beyond the whole update's model of its chunks and optimizer steps: each item's own
+  gradient call and accumulation, and the later minibatches' pass under the update's
+  first params. 0 for a config the streamer cannot run."""
+  try:
+    cs = bench_pipeline.mode_config(c, "+streamer")
+  except ValueError as e:
+    logging.info("learner: no streamed update for this config (%s)", e)
+    return 0.0
+  learner = parts.learner(cs)
+  holder = [parts.state(learner)]
+  segments = cs.pipeline.micro_batch_segments
+  items = cs.num_envs // segments
+  chunks = segments * cs.rollout_len
+  item = types.Item(types.concat([segment] * segments), versions=np.zeros(chunks, np.int32),
+                    num_chunks=chunks, num_env_steps=chunks * cs.model.chunk_len)
+
+  def update():
+    holder[0], _ = learner.streamed_update(holder[0], [item] * items, items)
+
+  update()  # (compiles both gradient programs: the later minibatches' keep a snapshot)
+  walls, _ = _timed(update, seconds / 2)
+  modelled = cs.ppo.num_minibatches * fixed_s + items * chunks * per_chunk_s
+  return max(0.0, (statistics.median(walls) - modelled) / items)
 
 
 def _broadcast_s(c: ml_collections.ConfigDict, parts: bench_pipeline.Parts,

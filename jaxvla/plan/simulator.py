@@ -12,6 +12,11 @@ What is modelled, and how it maps onto the code:
   commands in order, the envs of one command one after another; a command's results are
   ready together when its last env finishes. An env's chunk costs a sample drawn from the
   measured ones. ``env_workers = 0`` steps the envs in the rollout's thread.
+* **Episodes**: every env starts an episode at the start of the run, and an episode
+  lasts ``episode_chunks`` chunks (a non-integer mean: the next length drawn from the
+  two integers around it); the chunk that ends one also costs a sample of
+  ``env_reset`` (the pool's auto-reset). A short window of a few updates holds a reset
+  or not as the run's own does (LIBERO's costs two chunks' time).
 * **The rollout** (:class:`jaxvla.rollout.rollout.Rollout`): lockstep (every env, one
   ``act`` padded to the env count, wait for all) or first-ready (``recv(b_max, t_max)``:
   at least one ready, then until ``b_max`` are or ``t_max`` has passed since the first,
@@ -214,6 +219,9 @@ class _Process:
     self.commands: list[collections.deque[list[int]]] = [collections.deque()
                                                          for _ in range(workers)]
     self.command_posted = [sim.event() for _ in range(workers)]
+    self.episode_left = np.zeros(n, np.int64)  # Chunks left in each env's episode.
+    for e in range(n):
+      self._new_episode(e)
     self.ready: dict[int, float] = {}
     self.ready_changed = sim.event()
     self.in_flight = 0
@@ -230,6 +238,24 @@ class _Process:
     samples = self.run.costs.env_chunk
     return samples[self.rng.integers(len(samples))]
 
+  def _new_episode(self, e: int) -> None:
+    mean = self.run.costs.episode_chunks
+    whole = int(mean)
+    self.episode_left[e] = max(1, whole + int(self.rng.random() < mean - whole)) if mean else 0
+
+  def _env_chunk(self, e: int) -> engine.Process:
+    """Env ``e`` executes one chunk on its worker's (or the rollout's) cores, and its
+    auto-reset when the chunk ends its episode."""
+    alone, demand = self._chunk_cost()
+    if self.episode_left[e]:  # (0: episodes not modelled)
+      self.episode_left[e] -= 1
+      if not self.episode_left[e]:
+        resets = self.run.costs.env_reset
+        if resets:  # (negative: the episode ended early in the chunk and skipped steps)
+          alone = max(0.0, alone + resets[self.rng.integers(len(resets))][0])
+        self._new_episode(e)
+    yield self.cpu.run(alone, demand)
+
   def _worker(self, w: int) -> engine.Process:
     while True:
       while not self.commands[w]:
@@ -237,8 +263,8 @@ class _Process:
         yield self.command_posted[w]
       envs = self.commands[w].popleft()
       start = self.sim.now
-      for _ in envs:
-        yield self.cpu.run(*self._chunk_cost())
+      for e in envs:
+        yield from self._env_chunk(e)
       self.worker_busy_s += self.sim.now - start
       for e in envs:
         self.ready[e] = self.sim.now
@@ -329,8 +355,8 @@ class _Process:
         yield self.ready_changed
       self.ready.clear()
     else:  # Stepped in the rollout's own thread.
-      for _ in envs:
-        yield self.cpu.run(*self._chunk_cost())
+      for e in envs:
+        yield from self._env_chunk(e)
     yield from self._finish(envs)
 
   def _step_ready(self) -> engine.Process:
@@ -458,11 +484,13 @@ class _Run:
       self._barriers[key] = (count, event)
     return event
 
-  def _compute(self, proc: _Process, chunks: int, steps: int) -> engine.Process:
-    """The learner's work on ``chunks`` chunks in ``steps`` optimizer steps."""
+  def _compute(self, proc: _Process, chunks: int, steps: int, items: int = 0
+               ) -> engine.Process:
+    """The learner's work on ``chunks`` chunks in ``steps`` optimizer steps (``items``:
+    streamed items among them)."""
     s = self.setup
     start = self.sim.now
-    yield proc.learner_res.run(learner_alone_s(s, self.costs, chunks, steps),
+    yield proc.learner_res.run(learner_alone_s(s, self.costs, chunks, steps, items),
                                self.costs.learner.demand)
     if s.allreduce_s and steps:
       yield self.sim.timeout(s.allreduce_s * steps)
@@ -479,7 +507,8 @@ class _Run:
           item = yield from proc.take(u)
           self.trained += item.env_steps
           yield self._barrier((u, j))
-          yield from self._compute(proc, item_chunks, int((j + 1) % per_minibatch == 0))
+          yield from self._compute(proc, item_chunks, int((j + 1) % per_minibatch == 0),
+                                   items=1)
       else:
         for _ in range(s.items_per_update):
           item = yield from proc.take(u)
@@ -522,11 +551,15 @@ class _Run:
                          "updates: nothing left to happen (a deadlock in the setup)")
 
 
-def learner_alone_s(setup: Setup, costs: costs_lib.Costs, chunks: int, steps: int) -> float:
-  """The learner's alone seconds for ``chunks`` chunks in ``steps`` optimizer steps,
-  data-parallel over its devices (the per-chunk part divides, the per-step part does not)."""
+def learner_alone_s(setup: Setup, costs: costs_lib.Costs, chunks: int, steps: int,
+                    items: int = 0) -> float:
+  """The learner's alone seconds for ``chunks`` chunks in ``steps`` optimizer steps
+  (``items`` of them streamed items, each ``learner.item_s`` more), data-parallel over
+  its devices (the per-chunk part divides, the per-step and per-item parts do not)."""
   devices = setup.learner_devices if costs.accelerated else 1
-  return steps * costs.learner.fixed_s + chunks * costs.learner.per_chunk_s / devices
+  learner = costs.learner
+  return (steps * learner.fixed_s + items * learner.item_s
+          + chunks * learner.per_chunk_s / devices)
 
 
 def stage_rates(setup: Setup, costs: costs_lib.Costs) -> dict[str, float]:
@@ -537,6 +570,8 @@ def stage_rates(setup: Setup, costs: costs_lib.Costs) -> dict[str, float]:
   """
   s, h = setup, costs.chunk_len
   mean_s = float(np.mean([c[0] for c in costs.env_chunk]))
+  if costs.env_reset and costs.episode_chunks:
+    mean_s += float(np.mean([c[0] for c in costs.env_reset])) / costs.episode_chunks
   mean_demand = float(np.mean([c[1] for c in costs.env_chunk]))
   workers = max(1, s.env_workers) * s.processes_per_machine
   share = min(1.0, costs.cores / max(workers * mean_demand, 1e-9))
@@ -547,7 +582,8 @@ def stage_rates(setup: Setup, costs: costs_lib.Costs) -> dict[str, float]:
   act_s = costs.act_cost(per_device)[0] + costs.rollout_overhead_s
   inference = s.processes * rows * h / act_s
   chunks, steps = s.num_envs * s.rollout_len, s.num_minibatches * s.num_epochs
-  update_s = learner_alone_s(s, costs, s.num_epochs * chunks, steps) + steps * s.allreduce_s
+  update_s = (learner_alone_s(s, costs, s.num_epochs * chunks, steps,
+                             s.items_per_update if s.streamer else 0) + steps * s.allreduce_s)
   learner = s.processes * chunks * h / update_s
   return dict(env=env, inference=inference, learner=learner)
 

@@ -51,6 +51,14 @@ STALENESS_TOLERANCE = 0.5
 REPEATS = 3
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 SPEED_SECONDS = 1.0  # Per machine_speed reading.
+WARMUP = 2  # The benchmark's untimed updates (--warmup), simulated alike.
+SIM_SEEDS = 5  # Simulated runs per prediction (draws of the env samples), averaged.
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  env_steps_per_s: float
+  staleness_mean: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +91,11 @@ ROWS = (
     Row("ManiSkill3 PickCube state, 8 envs / 2 workers, k=1", "configs/maniskill.py:state",
         (("num_envs", 8), ("env_workers", 2), ("rollout_len", 4),
          ("pipeline.micro_batch_segments", 2)), updates=8),
-    Row("LIBERO tiny, 2 envs / 2 workers, k=1", "configs/libero_bench.py:tiny", updates=8),
+    # 11 updates of 2 chunks per env: one whole 22-chunk episode (libero_spatial's 220
+    # steps) per env, so the window holds one reset per env whatever the episodes' phase
+    # (an async rollout runs ahead of the learner by what it made while the learner
+    # compiled; a reset costs about two chunks).
+    Row("LIBERO tiny, 2 envs / 2 workers, k=1", "configs/libero_bench.py:tiny", updates=11),
     Row("ColorReach (scaling), 2 processes x 32 envs, k=1", "configs/scaling.py",
         modes=("+rollout_async",), processes=2, updates=12),
 )
@@ -141,7 +153,7 @@ def measure_row(row: Row, workdir: str) -> tuple[costs_lib.Costs, list[dict], di
         f"--measure_seconds={row.measure_seconds}"])
   speeds.append(machine_speed())
   common = [*row.flags(), f"--modes={','.join(row.modes)}", f"--updates={row.updates}",
-            "--warmup=2"]
+            f"--warmup={WARMUP}"]
   if row.processes == 1:
     out = _run([sys.executable, "-m", "jaxvla.bench.pipeline", *common, "--stage_seconds=1"])
   else:
@@ -152,12 +164,17 @@ def measure_row(row: Row, workdir: str) -> tuple[costs_lib.Costs, list[dict], di
   return costs_lib.Costs.load(costs_path), _last_json(out)["rows"], speed
 
 
-def predict(row: Row, costs: costs_lib.Costs, mode: str, updates: int = 40
-            ) -> simulator.Result:
+def predict(row: Row, costs: costs_lib.Costs, mode: str) -> Prediction:
+  """The simulator's figures for the benchmark's own window (its warm-up, then
+  ``row.updates`` updates), averaged over :data:`SIM_SEEDS` draws of the env samples:
+  a window of a few updates holds an episode's reset or not as the run's does."""
   c = bench_pipeline.mode_config(row.load(), mode)
   setup = simulator.Setup.from_config(c, processes=row.processes,
                                       processes_per_machine=row.processes)
-  return simulator.simulate(setup, costs, updates=updates)
+  runs = [simulator.simulate(setup, costs, updates=row.updates, warmup=WARMUP, seed=seed)
+          for seed in range(SIM_SEEDS)]
+  return Prediction(statistics.mean(r.env_steps_per_s for r in runs),
+                    statistics.mean(r.staleness_mean for r in runs))
 
 
 def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None,
