@@ -6,9 +6,9 @@ chunks that end one are the reset's samples, and the episodes' length is counted
 ``act`` and ``value`` at every padded batch size the rollout can use, the host time
 around an inference call, a PPO update at two batch sizes (its fixed and per-chunk
 parts) and the streamer's update (its cost per item beyond those), and one weight
-broadcast. CPU demand is the CPU
-seconds of the process doing the work (the env worker's, or this one's) over the wall
-seconds; on an accelerator ``act`` and the learner are the device's (demand 1).
+broadcast. CPU demand is the CPU seconds of the process doing the work (the env
+worker's, or this one's) over the wall seconds; on an accelerator ``act`` and the
+learner are the device's (demand 1).
 
 ``act``, ``value`` and the host time around them are timed as the rollout meets them:
 each call after a pause and a sweep through memory (:func:`_as_the_rollout_calls`), not

@@ -16,7 +16,7 @@ What is modelled, and how it maps onto the code:
   lasts ``episode_chunks`` chunks (a non-integer mean: the next length drawn from the
   two integers around it); the chunk that ends one also costs a sample of
   ``env_reset`` (the pool's auto-reset). A short window of a few updates holds a reset
-  or not as the run's own does (LIBERO's costs two chunks' time).
+  or not as the run's own does (LIBERO's costs about 1.5 chunks' time).
 * **The rollout** (:class:`jaxvla.rollout.rollout.Rollout`): lockstep (every env, one
   ``act`` padded to the env count, wait for all) or first-ready (``recv(b_max, t_max)``:
   at least one ready, then until ``b_max`` are or ``t_max`` has passed since the first,
