@@ -94,7 +94,7 @@ ROWS = (
     # 11 updates of 2 chunks per env: one whole 22-chunk episode (libero_spatial's 220
     # steps) per env, so the window holds one reset per env whatever the episodes' phase
     # (an async rollout runs ahead of the learner by what it made while the learner
-    # compiled; a reset costs about two chunks).
+    # compiled; a reset costs about 1.5 chunks).
     Row("LIBERO tiny, 2 envs / 2 workers, k=1", "configs/libero_bench.py:tiny", updates=11),
     Row("ColorReach (scaling), 2 processes x 32 envs, k=1", "configs/scaling.py",
         modes=("+rollout_async",), processes=2, updates=12),
