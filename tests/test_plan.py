@@ -290,8 +290,11 @@ def test_chunks_that_end_an_episode_give_the_reset_its_own_samples():
 
 # --------------------------------------------------------------- placement --
 def test_h100_costs_are_the_documented_figures():
-  c = placement.h100_costs("pi0", 4, 10)
+  c = placement.h100_costs("pi0", 4, 10, 220)
   assert c.act[16][0] == pytest.approx(0.1456)
+  # libero_spatial's 220 steps: 22 chunks, then the reset's 14 steps' time on one core.
+  assert c.episode_chunks == 22
+  assert c.env_reset == [(pytest.approx(14 / placement.LIBERO_STEPS_PER_CORE_S), 1.0)]
   assert c.learner.fixed_s + 8 * c.learner.per_chunk_s == pytest.approx(0.3382)
   assert c.learner.fixed_s + 32 * c.learner.per_chunk_s == pytest.approx(1.0461)
   median = sorted(s for s, _ in c.env_chunk)[len(c.env_chunk) // 2]

@@ -25,7 +25,8 @@ Stage costs (:func:`h100_costs`), every figure from a measurement in the docs:
   ratio of 64 to 16 rows applied to pi0.5's 16.
 * LIBERO's step: 4.4 env steps/s per CPU core (one worker process, two 64 px cameras
   rendered by llvmpipe; docs/design/envs.md), one core per worker; a chunk's time spread
-  by a log-normal of sigma :data:`LIBERO_SIGMA`.
+  by a log-normal of sigma :data:`LIBERO_SIGMA`. Every episode runs to the suite's time
+  limit, then the env's auto-reset costs :data:`LIBERO_RESET_STEPS` steps' time.
 * The broadcast: the rollout's bfloat16 copy over NVLink at :data:`NVLINK_BYTES_PER_S`.
 * The host's time per inference batch and per env result: :data:`ROLLOUT_OVERHEAD_S`,
   :data:`ROLLOUT_PER_ENV_S` (assumed).
@@ -39,6 +40,7 @@ import math
 import ml_collections
 import numpy as np
 
+from jaxvla.envs import libero
 from jaxvla.plan import costs as costs_lib
 from jaxvla.plan import simulator
 
@@ -48,6 +50,11 @@ SIMULATED_MACHINES = 2
 CORES_PER_GPU = 16
 LIBERO_STEPS_PER_CORE_S = 4.4  # docs/design/envs.md, one worker, 2 cameras, llvmpipe.
 LIBERO_SIGMA = 0.2
+# LIBERO's auto-reset (the scene re-placed, then 10 settle steps, each rendered), in env
+# steps' time: measured on the 2-core CPU machine (libero_spatial, 64 px), the chunk that
+# ends an episode took 2.76 and 2.94 s beyond chunks of 10 steps whose medians were 1.92
+# and 2.14 s (docs/results/scaling.md, "Episodes and the streamed update").
+LIBERO_RESET_STEPS = 14.0
 NVLINK_BYTES_PER_S = 200e9  # Achieved all-reduce bus bandwidth within an H100 machine.
 NETWORK_BYTES_PER_S = 50e9  # 400 Gb/s InfiniBand per GPU between machines.
 # Measured on one H100 (docs/design/policy.md): act ms by (K, batch) and the PPO minibatch.
@@ -64,8 +71,11 @@ ROLLOUT_OVERHEAD_S = 2e-3
 ROLLOUT_PER_ENV_S = 0.5e-3
 
 
-def h100_costs(model: str, denoise_steps: int, chunk_len: int) -> costs_lib.Costs:
-  """The costs of one H100 with 16 cores running LIBERO (the module docstring's sources)."""
+def h100_costs(model: str, denoise_steps: int, chunk_len: int,
+               episode_steps: int) -> costs_lib.Costs:
+  """The costs of one H100 with 16 cores running LIBERO (the module docstring's sources),
+  whose episodes last ``episode_steps`` env steps (the suite's time limit: an episode that
+  succeeds sooner resets sooner, so this is the fewest resets)."""
   if model not in _H100_ACT_MS:
     raise ValueError(f"H100 figures exist for {sorted(_H100_ACT_MS)}, not {model!r}")
   tables = _H100_ACT_MS[model]
@@ -91,8 +101,10 @@ def h100_costs(model: str, denoise_steps: int, chunk_len: int) -> costs_lib.Cost
       value=value, rollout_overhead_s=ROLLOUT_OVERHEAD_S, rollout_per_env_s=ROLLOUT_PER_ENV_S,
       learner=costs_lib.Learner(fixed_s=fixed, per_chunk_s=per_chunk),
       broadcast_s=copy_bytes / NVLINK_BYTES_PER_S,
+      env_reset=[(LIBERO_RESET_STEPS / LIBERO_STEPS_PER_CORE_S, 1.0)],
+      episode_chunks=math.ceil(episode_steps / chunk_len),
       meta=dict(source="docs/design/policy.md (H100), docs/design/envs.md (LIBERO)",
-                model=model, denoise_steps=k))
+                model=model, denoise_steps=k, episode_steps=episode_steps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +183,9 @@ def plan(config: ml_collections.ConfigDict, accelerators: int,
       raise ValueError(f"built-in accelerator figures exist for LIBERO, not env "
                        f"{config.env.name!r}: measure its costs on one accelerator machine "
                        "(--measure) and pass --costs")
+    episode_steps = libero.spec_from_config(config.env).max_episode_steps
     costs = h100_costs(config.model.name, config.model.num_denoise_steps,
-                       config.model.chunk_len)
+                       config.model.chunk_len, episode_steps)
   options = _options(config, accelerators, costs, updates, network_bytes_per_s)
   fastest = max(o.env_steps_per_s for o in options)
   # Within TIE of the fastest is within the simulation's own noise: the freshest data wins.
