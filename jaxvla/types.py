@@ -182,6 +182,8 @@ class Item:
     versions: ``[...]`` int policy version of every played chunk in ``data``.
     num_chunks: chunks in the item (padding excluded).
     num_env_steps: env steps the chunks executed.
+    num_segments: the env segments (PPO) or episodes (GRPO) it holds: the unit the
+      pacer counts starts in.
     created: ``time.perf_counter()`` when it was made.
     seq: its number in the order the rollout made items (from 0 in each session; the
       schedule log names items by it), -1 before the rollout hands it on.
@@ -190,6 +192,7 @@ class Item:
   versions: np.ndarray
   num_chunks: int
   num_env_steps: int
+  num_segments: int = 1
   created: float = dataclasses.field(default_factory=time.perf_counter)
   seq: int = -1
 

@@ -303,13 +303,16 @@ def _schedule(seed: int, lockstep: bool, k: int) -> tuple[list[int], int]:
   each finishing after a random number of ticks (first-ready: stragglers finish
   late; lockstep: all at once); finished segments become queue items; the learner
   trains when it has an update's worth; the broadcast reaches the rollout after a
-  random delay. Returns the staleness of every trained item and the dropped count.
+  random delay; the queue gives a dropped item's starts back to the pacer. Returns the
+  staleness of every trained item and the dropped count.
   """
   rng = random.Random(seed)
   envs, per_item = 8, rng.choice([1, 2, 4])
   pacer = pacer_lib.Pacer(envs, k, version=rng.randrange(3))
   version = pacer.started // envs  # (a resumed run starts at its version)
-  queue = queue_lib.TrajectoryQueue(rng.choice([2, 4, 64]), k)
+  queue = queue_lib.TrajectoryQueue(rng.choice([2, 4, 64]), k,
+                                    on_drop=lambda item: pacer.release(item.num_segments))
+  consumed = version * envs  # Segments trained on (a resumed run's count from its version).
   rollout_version = version  # The params the rollout acts with (broadcast lags).
   running: list[tuple[int, int]] = []  # (finish tick, version that acted).
   done: list[int] = []
@@ -335,18 +338,22 @@ def _schedule(seed: int, lockstep: bool, k: int) -> tuple[list[int], int]:
     while len(done) >= per_item and len(queue) < queue.capacity:
       versions, done = np.asarray(done[:per_item], np.int32), done[per_item:]
       queue.put(types.Item(data=None, versions=versions, num_chunks=per_item,
-                           num_env_steps=per_item))
+                           num_env_steps=per_item, num_segments=per_item))
     if rng.random() < 0.5:  # The learner's turn.
       try:
         item, staleness = queue.get(version, timeout=0.0)
       except TimeoutError:
         continue
       taken.append(item)
+      consumed += item.num_segments
       trained_staleness.append(staleness)
       if sum(it.num_chunks for it in taken) >= envs:  # One update's worth.
         taken = []
         version += 1
         pending_broadcast.append((tick + rng.randrange(4), version))
+  # The pacer counts exactly the segments that are not dropped: trained, queued, done
+  # and not yet an item, or running (so drops never narrow the bound).
+  assert pacer.started == consumed + len(queue) * per_item + len(done) + len(running), seed
   return trained_staleness, queue.stats.dropped_items
 
 

@@ -45,6 +45,15 @@ def test_queue_drops_stale_items_and_counts_them():
     q.get(learner_version=2, timeout=0.01)
 
 
+def test_queue_hands_each_dropped_item_to_on_drop():
+  dropped = []
+  q = queue_lib.TrajectoryQueue(capacity=4, max_staleness=0, on_drop=dropped.append)
+  q.put(_item([0, 0]))
+  q.put(_item([1]))
+  item, _ = q.get(learner_version=1)
+  assert item.oldest_version == 1 and [d.oldest_version for d in dropped] == [0]
+
+
 def test_queue_full_blocks_producer_until_get():
   q = queue_lib.TrajectoryQueue(capacity=1, max_staleness=-1)
   q.put(_item([0]))
@@ -117,6 +126,19 @@ def test_pacer_acquire_grants_what_the_limit_allows():
   pacer.close()
   with pytest.raises(queue_lib.Closed):
     pacer.acquire(1, version=1, block=True)
+
+
+def test_pacer_release_gives_back_the_starts_of_dropped_segments():
+  # 2 envs, k = 1: 4 starts with version 0. Without the release, each dropped segment
+  # would keep its start for the rest of the run; four would stall it for good.
+  pacer = pacer_lib.Pacer(segments_per_update=2, max_staleness=1)
+  assert pacer.acquire(5, version=0, block=False) == (4, 0)
+  pacer.set_version(1)  # Update 0 consumed 2 segments...
+  assert pacer.acquire(3, version=1, block=False) == (2, 1)
+  pacer.release(1)  # ... and the queue dropped one of the rest.
+  assert pacer.acquire(3, version=1, block=False) == (1, 1) and pacer.started == 6
+  with pytest.raises(ValueError, match="count >= 0"):
+    pacer.release(-1)
 
 
 # ------------------------------------------------------------------- params --

@@ -347,7 +347,8 @@ def _streamed_item_s(c: ml_collections.ConfigDict, parts: bench_pipeline.Parts, 
   items = cs.num_envs // segments
   chunks = segments * cs.rollout_len
   item = types.Item(types.concat([segment] * segments), versions=np.zeros(chunks, np.int32),
-                    num_chunks=chunks, num_env_steps=chunks * cs.model.chunk_len)
+                    num_chunks=chunks, num_env_steps=chunks * cs.model.chunk_len,
+                    num_segments=segments)
 
   def update():
     holder[0], _ = learner.streamed_update(holder[0], [item] * items, items)

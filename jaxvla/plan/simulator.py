@@ -29,7 +29,8 @@ What is modelled, and how it maps onto the code:
   the order they complete, ``micro_batch_segments`` per item; a full queue blocks the
   rollout; an item older than ``max_staleness`` is dropped when taken.
 * **The pacer** (:class:`jaxvla.rollout.pacer.Pacer`): segment ``s`` may start with version
-  ``v`` only while ``s < (v + k + 1) * num_envs``; first-ready parks refused envs.
+  ``v`` only while ``s < (v + k + 1) * num_envs``; first-ready parks refused envs; a
+  dropped item's segments give their starts back.
 * **The learner**: L1 off, it steps the rollout itself until an item is there; L1 on, a
   rollout thread fills the queue. One update takes ``num_envs / micro_batch_segments``
   items per process; non-streamed it trains once all are there, streamed (L3) it computes
@@ -428,6 +429,9 @@ class _Process:
       self._notify("queue_changed")
       if update - item.oldest > s.max_staleness:
         self.dropped += item.env_steps
+        if s.paced:  # Its start is given back (Pacer.release).
+          self.started -= s.micro_batch_segments
+          self._notify("version_changed")
         continue
       self.run.record_staleness(update - item.versions)
       return item

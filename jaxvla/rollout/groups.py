@@ -180,7 +180,7 @@ class EpisodeBuilder:
       eb = self._episode_batch(members)
       versions = eb.policy_version[eb.mask]
       items.append(types.Item(data=eb, versions=versions, num_chunks=int(versions.size),
-                              num_env_steps=eb.num_env_steps))
+                              num_env_steps=eb.num_env_steps, num_segments=len(members)))
     self._ready = []
     return items
 

@@ -6,6 +6,14 @@ Segment ``s`` (counted from the run's start) is consumed by update
 ``v`` is allowed while ``s < (v + max_staleness + 1) * segments_per_update``, the
 rule of bounded-staleness systems. The learner's new versions arrive through
 :meth:`Pacer.set_version` (called when a weight broadcast lands).
+
+A segment the queue drops as too stale (a first-ready straggler overtaken by
+segments started after it) is never consumed: every segment after it is consumed
+one place sooner than its start count says. :meth:`Pacer.release` gives its start
+back. Without that, each drop would narrow the bound by one segment for the rest of
+the run (an env parked at every update), and at most ``(max_staleness + 1) *
+segments_per_update`` drops would leave no start to grant while the learner waits for
+data: a stalled run.
 """
 
 from __future__ import annotations
@@ -38,6 +46,15 @@ class Pacer:
     """The newest policy version the rollout can act with (from the broadcast)."""
     with self._cond:
       self._version = max(self._version, version)
+      self._cond.notify_all()
+
+  def release(self, count: int) -> None:
+    """Gives back the starts of ``count`` segments that will never be consumed (the
+    queue dropped them as too stale)."""
+    if count < 0:
+      raise ValueError(f"release needs count >= 0, got {count}")
+    with self._cond:
+      self.started -= count
       self._cond.notify_all()
 
   def limit(self, version: int) -> int:

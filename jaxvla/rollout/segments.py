@@ -122,7 +122,8 @@ class SegmentBuilder:
                                    self._done_segments[self.per_item:])
       traj = types.stack(segs)  # [T, M, ...]
       items.append(types.Item(data=traj, versions=traj.policy_version,
-                              num_chunks=traj.num_rows, num_env_steps=traj.num_env_steps))
+                              num_chunks=traj.num_rows, num_env_steps=traj.num_env_steps,
+                              num_segments=len(segs)))
     return items
 
   def in_flight(self) -> types.Counts:

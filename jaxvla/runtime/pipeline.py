@@ -275,14 +275,16 @@ class Pipeline:
     self.levels = Levels.from_config(p)
     self.mode_name = self.levels.name(p.mode)
     self.clock = timing.StageClock(STAGES)
-    self.queue = queue_lib.TrajectoryQueue(
-        p.queue_items if self.levels.train_async else 1 << 30, p.max_staleness)
     self.pacer = None
     if p.staleness_control == "pace" and self.levels.train_async and replay is None:
       # PPO: env segments per update; GRPO: one episode per env per update.
       # A resumed run (at policy ``version``) has consumed ``version`` updates' segments:
       # the staleness bound counts from there, as in an uninterrupted run.
       self.pacer = pacer_lib.Pacer(config.num_envs, p.max_staleness, version=version)
+    # A dropped item's segments are never consumed: their starts go back to the pacer.
+    on_drop = None if self.pacer is None else (lambda it: self.pacer.release(it.num_segments))
+    self.queue = queue_lib.TrajectoryQueue(
+        p.queue_items if self.levels.train_async else 1 << 30, p.max_staleness, on_drop=on_drop)
     self.server = None
     self._colocated: tuple[Any, int] | None = None  # sync_colocated: the learner's params.
     if self.levels.separate_params:

@@ -13,7 +13,8 @@ Staleness is kept in bounds one of two ways (``pipeline.staleness_control``):
   *starting* a segment that would be consumed more than ``max_staleness``
   versions after the version it starts with. Items still pass the ``get`` check:
   under first-ready batching a straggler env can finish its segment after
-  segments started later, so a paced run can still drop a few; the run reports them.
+  segments started later, so a paced run can still drop a few; the run reports them,
+  and each dropped segment's start is given back to the pacer (``on_drop``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 
 from jaxvla.types import Closed, Item
 
@@ -46,12 +48,16 @@ class TrajectoryQueue:
     capacity: items it holds at most (``put`` blocks beyond).
     max_staleness: ``k``: an item is trained on by learner version ``u`` only if
       ``u - oldest_version <= k``; ``k < 0`` disables the check.
+    on_drop: called with each item dropped as too stale, as it is dropped (the
+      queue's lock held: it must not call back into the queue).
   """
 
-  def __init__(self, capacity: int, max_staleness: int):
+  def __init__(self, capacity: int, max_staleness: int,
+               on_drop: Callable[[Item], None] | None = None):
     if capacity < 1:
       raise ValueError(f"trajectory queue capacity must be >= 1, got {capacity}")
     self.capacity, self.max_staleness = capacity, max_staleness
+    self._on_drop = on_drop
     self._items: collections.deque[Item] = collections.deque()
     self._cond = threading.Condition()
     self._closed = False
@@ -105,6 +111,8 @@ class TrajectoryQueue:
               self.stats.dropped_chunks += item.num_chunks
               self.stats.dropped_env_steps += item.num_env_steps
               self._dropped_seqs.append(item.seq)
+              if self._on_drop is not None:
+                self._on_drop(item)
               continue
             self.stats.got_items += 1
             return item, staleness
