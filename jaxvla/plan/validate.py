@@ -91,11 +91,13 @@ ROWS = (
     Row("ManiSkill3 PickCube state, 8 envs / 2 workers, k=1", "configs/maniskill.py:state",
         (("num_envs", 8), ("env_workers", 2), ("rollout_len", 4),
          ("pipeline.micro_batch_segments", 2)), updates=8),
-    # 11 updates of 2 chunks per env: one whole 22-chunk episode (libero_spatial's 220
-    # steps) per env, so the window holds one reset per env whatever the episodes' phase
-    # (an async rollout runs ahead of the learner by what it made while the learner
-    # compiled; a reset costs about 1.5 chunks).
-    Row("LIBERO tiny, 2 envs / 2 workers, k=1", "configs/libero_bench.py:tiny", updates=11),
+    # 22 updates of 2 chunks per env: two whole 22-chunk episodes (libero_spatial's 220
+    # steps) per env, so the window holds two resets per env whatever the episodes'
+    # phase (an async rollout runs ahead of the learner by what it made while the learner
+    # compiled; a reset costs about 1.5 chunks). Single runs of one episode's window
+    # spread by 15% in a quiet hour (docs/results/scaling.md); two average twice the
+    # chunks and resets.
+    Row("LIBERO tiny, 2 envs / 2 workers, k=1", "configs/libero_bench.py:tiny", updates=22),
     Row("ColorReach (scaling), 2 processes x 32 envs, k=1", "configs/scaling.py",
         modes=("+rollout_async",), processes=2, updates=12),
 )
