@@ -364,6 +364,15 @@ def test_validate_compares_medians_over_repeats(tmp_path, monkeypatch):
     validate.validate((row,), str(tmp_path), repeats=0)
 
 
+def test_validate_rows_are_picked_by_name():
+  from jaxvla.plan import validate  # pylint: disable=import-outside-toplevel
+  assert validate.select(validate.ROWS, []) == validate.ROWS
+  (row,) = validate.select(validate.ROWS, ["LIBERO"])
+  assert row.config == "configs/libero_bench.py:tiny"
+  with pytest.raises(ValueError, match=r"\['LIBRO'\] match no validation row.*LIBERO tiny"):
+    validate.select(validate.ROWS, ["LIBERO", "LIBRO"])
+
+
 @pytest.mark.slow  # Measures a config, then benchmarks two modes: about a minute.
 def test_validate_compares_the_simulator_with_measured_runs(tmp_path):
   """The small version of ``--validate``: one config's costs measured, two modes run and

@@ -5,7 +5,7 @@
   # predict the config's run from them (its mode, envs, workers, staleness, processes)
   python -m jaxvla.plan --config=configs/default.py:bench --costs=/tmp/costs.json
   # the simulator against measured runs on this machine (JSON: the largest error), each
-  # row measured 3 times and the medians compared (--repeats=N)
+  # row measured 3 times and the medians compared (--repeats=N; --rows=LIBERO: one row)
   python -m jaxvla.plan --validate
   # the placement for N accelerators, from the measured H100 figures
   python -m jaxvla.plan --config=configs/libero_bench.py:pi0 --accelerators=64
@@ -41,6 +41,8 @@ _NETWORK_GBS = flags.DEFINE_float(
     "--accelerators: network GB/s per accelerator between machines (the gradient reduction).")
 _PLOT = flags.DEFINE_string("plot", "", "--accelerators: draw the plans beside RL-VLA3's here.")
 _MEASURE_SECONDS = flags.DEFINE_float("measure_seconds", 3.0, "Seconds per measurement.")
+_ROWS = flags.DEFINE_list(
+    "rows", [], "--validate: only the rows whose name contains one of these (e.g. LIBERO).")
 _REPEATS = flags.DEFINE_integer(
     "repeats", None, "--validate: measure and simulate each row this many times and compare "
     "the medians (default 3; 1 with --quick).")
@@ -55,9 +57,10 @@ def main(argv):
     if repeats is None:
       repeats = 1 if _QUICK.value else validate.REPEATS
     try:
-      report = validate.validate(validate.QUICK_ROWS if _QUICK.value else validate.ROWS,
-                                 repeats=repeats)
-    except ValueError as e:  # (validate checks --repeats before measuring anything)
+      rows = validate.select(validate.QUICK_ROWS if _QUICK.value else validate.ROWS,
+                             _ROWS.value)
+      report = validate.validate(rows, repeats=repeats)
+    except ValueError as e:  # (--rows and --repeats are checked before anything is measured)
       raise app.UsageError(str(e)) from e
     print(json.dumps(report))
     return

@@ -108,6 +108,21 @@ QUICK_ROWS = (
 )
 
 
+def select(rows: tuple[Row, ...], names: list[str]) -> tuple[Row, ...]:
+  """The rows whose name contains one of ``names`` (all of them for none).
+
+  Raises:
+    ValueError: a name matches no row (the rows' names are listed).
+  """
+  if not names:
+    return rows
+  unmatched = [n for n in names if not any(n in row.name for row in rows)]
+  if unmatched:
+    raise ValueError(f"--rows: {unmatched} match no validation row; the rows: "
+                     f"{[row.name for row in rows]}")
+  return tuple(row for row in rows if any(n in row.name for n in names))
+
+
 def _env() -> dict[str, str]:
   """The environment of the measured runs: the caller's, with :data:`XLA_FLAGS` added to
   its ``XLA_FLAGS`` (the costs and the benchmark see the same compiler settings)."""
