@@ -25,8 +25,9 @@ pytestmark = pytest.mark.slow  # Minutes each: the third step of launch/test.sh.
 
 
 @pytest.mark.run_first(1)  # (second: conftest deals the ranks out over the workers)
-# About 7.5 minutes beside the slow step's other tests on an AVX-512 CPU, and CPUs half
-# as fast run CI too: past the suite's 15-minute hang guard there, so a guard of its own.
+# About 7.5 minutes beside the slow step's other tests on an AVX-512 CPU; alone 441 s
+# on an AVX2-only one against 257 (docs/results/testing.md), so about 13 minutes beside
+# the others there, near the suite's 15-minute hang guard: a guard of its own.
 @pytest.mark.timeout(1800)
 def test_async_learning_matches_sync(tmp_path):
   """Learning parity at the same env-step budget and the default step size.
@@ -72,7 +73,7 @@ def test_async_learning_matches_sync(tmp_path):
 
 @pytest.mark.run_first(0)  # (the longest: first)
 # About 13 minutes beside the slow step's other tests on an AVX-512 CPU (15 in a slow
-# hour), twice that on a CPU half as fast (CI's, some days): a guard of its own.
+# hour), about twice that on an AVX2-only CPU (CI's, some days): a guard of its own.
 @pytest.mark.timeout(3600)
 def test_sft_then_whole_flow_rl_raises_maniskill_success(tmp_path):
   """ManiSkill3 PushCube-v1 (CPU simulator, state observations), one command's whole job
