@@ -56,7 +56,7 @@ import tqdm
 from jaxvla.envs import libero as libero_env
 from jaxvla.envs import make_vec_env, normalized, protocol, spec_from_config
 from jaxvla.evaluation import success as evaluate_lib
-from jaxvla.storage import policy_io
+from jaxvla.storage import jsonl, policy_io
 
 LIBERO_REPLAN_STEPS = 5  # openpi's examples/libero/main.py: replan_steps = 5.
 LIBERO_RESET_SEED = 0  # Episode e of a task starts from the suite's init state e.
@@ -151,20 +151,10 @@ def _read_episodes(out_dir: str) -> list[dict]:
   file = os.path.join(out_dir, EPISODES_FILE)
   if not os.path.exists(file):
     return []
-  with open(file, "rb") as f:
-    data = f.read()
-  complete = data[:data.rfind(b"\n") + 1]
-  if len(complete) != len(data):
-    with open(file, "r+b") as f:
-      f.truncate(len(complete))
-  rows = []
-  for n, line in enumerate(complete.decode("utf-8").splitlines(), 1):
-    if line.strip():
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        raise ValueError(f"{file}:{n} is not JSON; remove the line or pick another --out") from None
-  return rows
+  try:
+    return jsonl.read(file, cut_torn=True)
+  except ValueError as e:
+    raise ValueError(f"{e}; remove the line or pick another --out") from None
 
 
 def _start(out_dir: str, settings: Settings) -> list[dict]:

@@ -9,6 +9,17 @@ import time
 
 import tqdm
 
+from jaxvla.storage import jsonl
+
+FILE = "metrics.jsonl"
+
+
+def records(workdir: str, phase: str | None = None) -> list[dict]:
+  """The complete records of ``workdir/metrics.jsonl`` (of ``phase`` only, if given),
+  in order; ``[]`` before the run has written one. Safe while the run still writes."""
+  rows = jsonl.read_if_exists(os.path.join(workdir, FILE))
+  return rows if phase is None else [r for r in rows if r.get("phase") == phase]
+
 
 def _import_tensorboardx():
   """tensorboardX, imported without torch where torch is not loaded yet.
@@ -47,7 +58,10 @@ class MetricWriter:
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    path = os.path.join(workdir, FILE)
+    if os.path.exists(path):
+      jsonl.read(path, cut_torn=True)  # A killed run's torn last line would join the next.
+    self._jsonl = open(path, "a", encoding="utf-8")
     self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, env_steps: int, phase: str, metrics: dict[str, float]) -> None:
@@ -71,11 +85,9 @@ class MetricWriter:
       return 0
     self._jsonl.close()
     path = self._jsonl.name
-    with open(path, encoding="utf-8") as f:
-      lines = [line for line in f if line.strip()]
     keep, moved = [], []
-    for line in lines:
-      (moved if json.loads(line)["env_steps"] > env_steps else keep).append(line)
+    for record in jsonl.read(path):
+      (moved if record["env_steps"] > env_steps else keep).append(json.dumps(record) + "\n")
     if moved:
       with open(path[:-len(".jsonl")] + ".discarded.jsonl", "a", encoding="utf-8") as f:
         f.writelines(moved)

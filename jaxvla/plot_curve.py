@@ -8,12 +8,13 @@ figure (shown inline) without writing a file.
 
 from __future__ import annotations
 
-import json
 import os
 
 import matplotlib
 import matplotlib.pyplot as plt
 from absl import app, flags
+
+from jaxvla import metrics
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory holding metrics.jsonl.",
                                required=True)
@@ -24,10 +25,8 @@ _TITLE = flags.DEFINE_string("title", "jaxvla default run (ColorReach, tiny flow
 
 def load(workdir: str) -> dict[str, list[dict]]:
   out: dict[str, list[dict]] = {}
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    for line in f:
-      rec = json.loads(line)
-      out.setdefault(rec["phase"], []).append(rec)
+  for rec in metrics.records(workdir):
+    out.setdefault(rec["phase"], []).append(rec)
   return out
 
 

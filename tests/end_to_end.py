@@ -3,13 +3,12 @@ run must show (one owner for those checks, so a test that trains a mode checks i
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
 from configs import default
-from jaxvla import timing
+from jaxvla import metrics, timing
 
 
 def smoke_config(model: dict | None = None, **pipeline):
@@ -29,8 +28,7 @@ def smoke_config(model: dict | None = None, **pipeline):
 
 def records(workdir: str) -> list[dict]:
   """The run's metric records (``metrics.jsonl``), every phase."""
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
+  return metrics.records(workdir)
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> bool:

@@ -58,7 +58,7 @@ def test_seed_table_and_seed_ranges(tmp_path):
       '{"phase": "warm_start", "env_steps": 0, "success_rate": 0.25}',
       '{"phase": "train", "env_steps": 100, "loss": 1.0}',
       '{"phase": "eval", "env_steps": 200, "success_rate": 0.5}',
-      '{"phase": "summary", "env_steps": 200, "wall_s": 60.0}']))
+      '{"phase": "summary", "env_steps": 200, "wall_s": 60.0}', '']))
   assert seeds.curve(str(tmp_path)) == [(0, 0.25), (200, 0.5)]
   assert seeds.warm_wall_s(str(tmp_path)) == 60.0
   rows = {0: dict(warm_start=0.25, final=0.9, wall_s=600.0, curve=[(0, 0.25), (200, 0.9)]),

@@ -1,6 +1,5 @@
 """orbax checkpoints: save -> restore equality, resume of a run, and parameter-only export."""
 
-import json
 import os
 
 import jax
@@ -8,6 +7,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from jaxvla import metrics as metrics_lib
 from jaxvla import train
 from jaxvla.data import norm_stats
 from jaxvla.envs import builtin
@@ -78,8 +78,7 @@ def test_export_loads_without_optimizer(tmp_path, smoke_config, trained):
 
 
 def _records(workdir, phase):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [r for r in map(json.loads, f) if r["phase"] == phase]
+  return metrics_lib.records(workdir, phase)
 
 
 @pytest.mark.run_first

@@ -17,13 +17,13 @@ import numpy as np
 import psutil
 import pytest
 
-from jaxvla import types
+from jaxvla import metrics, types
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.runtime import ledger as ledger_lib, queue as queue_lib
-from jaxvla.storage import checkpoint as checkpoint_lib
+from jaxvla.storage import checkpoint as checkpoint_lib, jsonl
 from tests import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,12 +133,9 @@ def _in_flight_at(ckpt_dir: str, step: int | None) -> int:
     return 0
 
 
-def _records(workdir: str, phase: str, name: str = "metrics.jsonl") -> list[dict]:
-  path = os.path.join(workdir, name)
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [r for r in map(json.loads, f) if r["phase"] == phase]
+def _records(workdir: str, phase: str, name: str = metrics.FILE) -> list[dict]:
+  """(Read while the run writes: complete lines only.)"""
+  return [r for r in jsonl.read_if_exists(os.path.join(workdir, name)) if r["phase"] == phase]
 
 
 @pytest.mark.slow  # (two runs with faults: a minute and more; test.sh's third step)

@@ -5,6 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from jaxvla import metrics
+from jaxvla.storage import jsonl
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,3 +34,37 @@ assert any(e.startswith("events.out.tfevents") for e in events), events
   with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
     record = json.loads(f.readline())
   assert (record["phase"], record["env_steps"], record["loss"]) == ("train", 7, 0.5), record
+
+
+def test_a_torn_last_line_is_left_out_while_written_and_cut_before_appending(tmp_path):
+  """A reader polling a running job's ``metrics.jsonl`` can meet its last line half
+  written, and a killed run leaves one; neither breaks a reader, a new writer or a
+  resume, and a bad complete line is named."""
+  path = tmp_path / metrics.FILE
+  rows = [dict(phase="train", env_steps=s, time=0.0, loss=s / 10) for s in (10, 20, 30)]
+  whole = "".join(json.dumps(r) + "\n" for r in rows)
+  path.write_text(whole + json.dumps(rows[0])[:25], encoding="utf-8")
+  assert metrics.records(str(tmp_path)) == rows
+  assert metrics.records(str(tmp_path), "train")[-1]["env_steps"] == 30
+  assert metrics.records(str(tmp_path / "none")) == []
+  assert path.read_text(encoding="utf-8").endswith(json.dumps(rows[0])[:25])  # Reading cuts nothing.
+
+  # A writer opening the killed run's file starts on a clean line; its resume moves the
+  # records past the checkpoint.
+  writer = metrics.MetricWriter(str(tmp_path))
+  writer.write(40, "train", {"loss": 4.0})
+  assert [r["env_steps"] for r in metrics.records(str(tmp_path))] == [10, 20, 30, 40]
+  assert writer.resume_from(20) == 2
+  writer.write(25, "eval", {"success_rate": 0.5})
+  writer.close()
+  assert [(r["phase"], r["env_steps"]) for r in metrics.records(str(tmp_path))] == [
+      ("train", 10), ("train", 20), ("eval", 25)]
+  discarded = jsonl.read(str(tmp_path / "metrics.discarded.jsonl"))
+  assert [r["env_steps"] for r in discarded] == [30, 40]
+
+  path.write_text(whole.replace('"env_steps": 20', '"env_steps": 2?'), encoding="utf-8")
+  with pytest.raises(ValueError, match=r"metrics\.jsonl, line 2: not a JSON record"):
+    metrics.records(str(tmp_path))
+  path.write_text(whole + "[1, 2]\n", encoding="utf-8")
+  with pytest.raises(ValueError, match=r"line 4: not a JSON record \(a list"):
+    metrics.records(str(tmp_path))

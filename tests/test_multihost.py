@@ -37,6 +37,7 @@ import pytest
 
 from configs import default
 from jaxvla import config_checks
+from jaxvla import metrics as metrics_lib
 from jaxvla.parallel import distributed
 from jaxvla.storage import checkpoint as checkpoint_lib
 from tests import fake_slurm
@@ -194,9 +195,7 @@ def test_two_process_async_run_via_slurm_detection_trains_checkpoints_and_resume
   assert a["env_steps"] > a["iterations"] * per_update // 2  # both processes' steps counted
   assert a["rollout_env_steps"] >= a["env_steps"]
   # Process 0 alone writes metrics: every train record once.
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    records = [json.loads(line) for line in f]
-  train = [r for r in records if r["phase"] == "train"]
+  train = metrics_lib.records(workdir, "train")
   assert len(train) == a["iterations"]
   # (A copy lands asynchronously, maybe after its update's record: look over the run.)
   assert min(r["learner_busy"] for r in train) > 0
@@ -221,8 +220,7 @@ _NO_WARM_START = "--config.bc.num_steps=0"
 
 def _check_grpo_records(workdir: str, iterations: int) -> None:
   """GRPO's train records: one per update, each with a finite loss and episode returns."""
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    train = [r for r in map(json.loads, f) if r["phase"] == "train"]
+  train = metrics_lib.records(workdir, "train")
   assert len(train) == iterations
   assert all(np.isfinite(r["loss"]) and "episode_return_mean" in r for r in train)
 
@@ -262,15 +260,12 @@ def test_two_process_streamed_grpo_run(tmp_path):
 
 def _wait_for_updates(procs: list[_Process], workdir: str, n: int) -> list[dict]:
   """Waits until process 0 has written ``n`` RL updates' records; returns them."""
-  metrics = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + 600
   while time.monotonic() < deadline:
     assert all(p.popen.poll() is None for p in procs), "a process ended too early"
-    if os.path.exists(metrics):
-      with open(metrics, encoding="utf-8") as f:
-        train = [json.loads(line) for line in f if '"phase": "train"' in line]
-      if len(train) >= n:
-        return train
+    train = metrics_lib.records(workdir, "train")  # (complete lines: the run still writes)
+    if len(train) >= n:
+      return train
     time.sleep(0.5)
   pytest.fail(f"no {n} RL updates within 600 s")
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from jaxvla import metrics as metrics_lib
 from jaxvla import train
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
@@ -168,8 +169,7 @@ def test_diverging_run_stops_and_keeps_finite_checkpoints(tmp_path, smoke_config
     state, _ = ckpt.restore(step, abstract)
     assert bool(update_lib.all_finite(state.params)), step
   ckpt.close()
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    records = [r for r in map(json.loads, f) if r["phase"] == "train"]
+  records = metrics_lib.records(workdir, "train")
   assert records[-1]["nonfinite"] != 0 and not np.isfinite(records[-1]["loss"])
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxvla import defaults, replay_diff
+from jaxvla import defaults, metrics, replay_diff
 from jaxvla import train
 from jaxvla.runtime import schedule as schedule_lib
 from tests import conftest
@@ -55,11 +55,7 @@ def _env() -> dict:
 
 
 def _records(workdir: str, phase: str) -> list[dict]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path, encoding="utf-8") as f:
-    return [r for r in map(json.loads, f) if r["phase"] == phase]
+  return metrics.records(workdir, phase)  # (read while the run writes: complete lines only)
 
 
 def _run(workdir: str, log_path: str, *, kill_worker_at: int | None = None,

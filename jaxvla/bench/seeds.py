@@ -26,7 +26,7 @@ import statistics
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxvla import config_files
+from jaxvla import config_files, metrics
 from jaxvla.bench import parity
 
 SYNC = parity.SYNC
@@ -54,20 +54,13 @@ def parse_seeds(spec: list[str]) -> list[int]:
 def curve(workdir: str) -> list[tuple[int, float]]:
   """``(env_steps, success_rate)`` of every evaluation in ``workdir/metrics.jsonl``,
   the warm start's first."""
-  points = []
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    for line in f:
-      row = json.loads(line)
-      if row.get("phase") in ("warm_start", "eval"):
-        points.append((int(row["env_steps"]), float(row["success_rate"])))
-  return points
+  return [(int(row["env_steps"]), float(row["success_rate"]))
+          for row in metrics.records(workdir) if row.get("phase") in ("warm_start", "eval")]
 
 
 def warm_wall_s(warm_dir: str) -> float:
   """The warm start's wall time (its run's summary)."""
-  with open(os.path.join(warm_dir, "metrics.jsonl"), encoding="utf-8") as f:
-    rows = [json.loads(line) for line in f]
-  return float([r["wall_s"] for r in rows if r.get("phase") == "summary"][-1])
+  return float(metrics.records(warm_dir, "summary")[-1]["wall_s"])
 
 
 def table(rows: dict[int, dict], threshold: float) -> str:

@@ -49,6 +49,7 @@ import jax
 import jaxlib
 
 from jaxvla.errors import ReplayMismatch
+from jaxvla.storage import jsonl
 
 FORMAT = 1
 KINDS = ("session", "step", "restart", "update", "save", "end")
@@ -162,16 +163,7 @@ class Session:
     self.end: str | None = None
     self.restart_records: list[Restart] = []  # Every restart, in order.
     self._restarts: dict[tuple[int, str], list[Restart]] = collections.defaultdict(list)
-    with open(path, encoding="utf-8") as f:
-      lines = f.read().split("\n")
-    complete, torn = lines[:-1], lines[-1]  # A killed run may leave a torn last line.
-    del torn
-    records = []
-    for number, line in enumerate(complete, 1):
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}, line {number}: not a JSON record ({e})") from None
+    records = jsonl.read(path)  # (without a torn last line: the run may be killed mid-line)
     if not records or records[0].get("k") != "session":
       raise ValueError(f"{path}: no session header on its first line")
     self.header = records[0]
