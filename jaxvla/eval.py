@@ -151,8 +151,9 @@ def _read_episodes(out_dir: str) -> list[dict]:
   file = os.path.join(out_dir, EPISODES_FILE)
   if not os.path.exists(file):
     return []
+  jsonl.cut_torn(file)
   try:
-    return jsonl.read(file, cut_torn=True)
+    return jsonl.read(file)
   except ValueError as e:
     raise ValueError(f"{e}; remove the line or pick another --out") from None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -10,6 +11,8 @@ import time
 import tqdm
 
 from jaxvla.storage import jsonl
+
+log = logging.getLogger(__name__)
 
 FILE = "metrics.jsonl"
 
@@ -59,8 +62,10 @@ class MetricWriter:
       return
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, FILE)
-    if os.path.exists(path):
-      jsonl.read(path, cut_torn=True)  # A killed run's torn last line would join the next.
+    if os.path.exists(path) and (cut := jsonl.cut_torn(path)):
+      # A killed run's torn last line would run into the next record.
+      log.warning("%s: cut its torn last line (%d bytes, written when the run was "
+                      "killed)", path, cut)
     self._jsonl = open(path, "a", encoding="utf-8")
     self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
 

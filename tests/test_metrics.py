@@ -1,6 +1,7 @@
 """``jaxvla.metrics``: what a run's processes load to write metrics, and what they write."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -36,7 +37,7 @@ assert any(e.startswith("events.out.tfevents") for e in events), events
   assert (record["phase"], record["env_steps"], record["loss"]) == ("train", 7, 0.5), record
 
 
-def test_a_torn_last_line_is_left_out_while_written_and_cut_before_appending(tmp_path):
+def test_a_torn_last_line_is_left_out_while_written_and_cut_before_appending(tmp_path, caplog):
   """A reader polling a running job's ``metrics.jsonl`` can meet its last line half
   written, and a killed run leaves one; neither breaks a reader, a new writer or a
   resume, and a bad complete line is named."""
@@ -47,11 +48,14 @@ def test_a_torn_last_line_is_left_out_while_written_and_cut_before_appending(tmp
   assert metrics.records(str(tmp_path)) == rows
   assert metrics.records(str(tmp_path), "train")[-1]["env_steps"] == 30
   assert metrics.records(str(tmp_path / "none")) == []
-  assert path.read_text(encoding="utf-8").endswith(json.dumps(rows[0])[:25])  # Reading cuts nothing.
+  torn = json.dumps(rows[0])[:25]
+  assert path.read_text(encoding="utf-8").endswith(torn)  # Reading cuts nothing.
 
-  # A writer opening the killed run's file starts on a clean line; its resume moves the
-  # records past the checkpoint.
-  writer = metrics.MetricWriter(str(tmp_path))
+  # A writer opening the killed run's file starts on a clean line (saying what it cut);
+  # its resume moves the records past the checkpoint.
+  with caplog.at_level(logging.WARNING, logger="jaxvla.metrics"):
+    writer = metrics.MetricWriter(str(tmp_path))
+  assert "cut its torn last line (25 bytes" in caplog.text
   writer.write(40, "train", {"loss": 4.0})
   assert [r["env_steps"] for r in metrics.records(str(tmp_path))] == [10, 20, 30, 40]
   assert writer.resume_from(20) == 2
@@ -68,3 +72,13 @@ def test_a_torn_last_line_is_left_out_while_written_and_cut_before_appending(tmp
   path.write_text(whole + "[1, 2]\n", encoding="utf-8")
   with pytest.raises(ValueError, match=r"line 4: not a JSON record \(a list"):
     metrics.records(str(tmp_path))
+
+
+def test_cut_torn_reads_back_past_its_block_to_the_last_newline(tmp_path):
+  path = tmp_path / "log.jsonl"
+  path.write_bytes(b'{"a": 1}\n' + b"x" * 50)
+  assert jsonl.cut_torn(str(path), block=8) == 50
+  assert path.read_bytes() == b'{"a": 1}\n'
+  assert jsonl.cut_torn(str(path), block=8) == 0
+  path.write_bytes(b"y" * 20)  # No newline at all: nothing is a record.
+  assert jsonl.cut_torn(str(path), block=8) == 20 and path.read_bytes() == b""

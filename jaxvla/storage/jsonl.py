@@ -13,14 +13,11 @@ import json
 import os
 
 
-def read(path: str, *, cut_torn: bool = False) -> list[dict]:
+def read(path: str) -> list[dict]:
   """The complete records of ``path``, in order; blank lines are skipped.
 
   Args:
     path: a JSON-lines file.
-    cut_torn: also truncate the file after its last newline, so that a writer that
-      appends next starts on a clean line (for a writer resuming a killed run; never
-      while another process still appends).
 
   Returns:
     One dict per complete line.
@@ -32,9 +29,6 @@ def read(path: str, *, cut_torn: bool = False) -> list[dict]:
   with open(path, "rb") as f:
     data = f.read()
   complete = data[:data.rfind(b"\n") + 1]
-  if cut_torn and len(complete) != len(data):
-    with open(path, "r+b") as f:
-      f.truncate(len(complete))
   records = []
   for number, line in enumerate(complete.decode("utf-8").split("\n"), 1):
     if not line.strip():
@@ -53,3 +47,27 @@ def read(path: str, *, cut_torn: bool = False) -> list[dict]:
 def read_if_exists(path: str) -> list[dict]:
   """:func:`read`, or ``[]`` when ``path`` does not exist yet."""
   return read(path) if os.path.exists(path) else []
+
+
+def cut_torn(path: str, block: int = 1 << 16) -> int:
+  """Truncates ``path`` after its last newline, so that the next append starts a clean
+  line; for a writer taking over a killed run's file (never while another process
+  still appends). Reads only the file's tail. Returns how many bytes were cut.
+
+  Raises:
+    FileNotFoundError: ``path`` does not exist.
+  """
+  with open(path, "r+b") as f:
+    end = pos = f.seek(0, os.SEEK_END)
+    keep = 0
+    while pos > 0:
+      start = max(0, pos - block)
+      f.seek(start)
+      newline = f.read(pos - start).rfind(b"\n")
+      if newline >= 0:
+        keep = start + newline + 1
+        break
+      pos = start
+    if keep != end:
+      f.truncate(keep)
+  return end - keep
