@@ -64,8 +64,8 @@ class MetricWriter:
     path = os.path.join(workdir, FILE)
     if os.path.exists(path) and (cut := jsonl.cut_torn(path)):
       # A killed run's torn last line would run into the next record.
-      log.warning("%s: cut its torn last line (%d bytes, written when the run was "
-                      "killed)", path, cut)
+      log.warning("%s: cut its torn last line (%d bytes, written when the run was killed)",
+                  path, cut)
     self._jsonl = open(path, "a", encoding="utf-8")
     self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
 
