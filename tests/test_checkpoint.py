@@ -77,10 +77,6 @@ def test_export_loads_without_optimizer(tmp_path, smoke_config, trained):
   assert len(jax.tree.leaves(raw)) == len(jax.tree.leaves(state.params))
 
 
-def _records(workdir, phase):
-  return metrics_lib.records(workdir, phase)
-
-
 @pytest.mark.run_first
 def test_resume_continues_run(tmp_path):
   """The end-to-end run of the default pi0 in ``sync_colocated`` mode (with every check of
@@ -133,8 +129,8 @@ def test_resume_continues_run(tmp_path):
   assert second["iterations"] > first["iterations"]
   assert second["policy_version"] == first["policy_version"] + (
       second["iterations"] - first["iterations"])
-  assert len(_records(workdir, "warm_start")) == 1  # no second warm start
-  steps = [r["env_steps"] for r in _records(workdir, "train")]
+  assert len(metrics_lib.records(workdir, "warm_start")) == 1  # no second warm start
+  steps = [r["env_steps"] for r in metrics_lib.records(workdir, "train")]
   assert steps == sorted(steps) and steps[-1] == second["env_steps"]
   # The resumed run acted with the checkpoint's normalisation and exported it again.
   assert norm_stats.load_normalizer(second["export_dir"]).to_json() == normalizer.to_json()

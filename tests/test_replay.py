@@ -54,9 +54,6 @@ def _env() -> dict:
   return conftest.fast_xla_env(dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
-def _records(workdir: str, phase: str) -> list[dict]:
-  return metrics.records(workdir, phase)  # (read while the run writes: complete lines only)
-
 
 def _run(workdir: str, log_path: str, *, kill_worker_at: int | None = None,
          interrupt_at: int | None = None, **extra) -> None:
@@ -68,7 +65,7 @@ def _run(workdir: str, log_path: str, *, kill_worker_at: int | None = None,
     try:
       deadline = time.time() + 600
       while proc.poll() is None and time.time() < deadline:
-        updates = len(_records(workdir, "train"))
+        updates = len(metrics.records(workdir, "train"))  # (complete lines only)
         if kill_worker_at is not None and updates >= kill_worker_at:
           workers = conftest.pool_workers(proc.pid)
           if workers:
@@ -106,8 +103,9 @@ def _learning_records(workdir: str) -> tuple[list[dict], list[dict]]:
   timing and window metrics describe the machine, not the learning: left out)."""
   session = schedule_lib.Session(schedule_lib.session_path(workdir, 0))
   keys = [*session.updates[0]["metrics"], "env_steps", "dropped_env_steps"]
-  train_rows = [{k: r[k] for k in keys} for r in _records(workdir, "train")]
-  evals = [{k: v for k, v in r.items() if k != "time"} for r in _records(workdir, "eval")]
+  train_rows = [{k: r[k] for k in keys} for r in metrics.records(workdir, "train")]
+  evals = [{k: v for k, v in r.items() if k != "time"}
+           for r in metrics.records(workdir, "eval")]
   return train_rows, evals
 
 
@@ -129,7 +127,8 @@ def test_an_async_run_with_a_fault_and_a_resume_replays_bit_for_bit(tmp_path):
   # The replay: the first session, then (resumed) the second.
   _run(replay, str(tmp_path / "replay1.txt"), replay=run)
   _run(replay, str(tmp_path / "replay2.txt"), replay=run, resume=True)
-  assert replay_diff.compare(run, replay) == dict(equal=True, updates=len(_records(run, "train")))
+  assert replay_diff.compare(run, replay) == dict(equal=True,
+                                                  updates=len(metrics.records(run, "train")))
   assert _learning_records(replay) == _learning_records(run)
   last = max(int(n) for n in os.listdir(os.path.join(run, "checkpoints")) if n.isdigit())
   a, b = _state(run, last), _state(replay, last)
