@@ -54,7 +54,6 @@ def _env() -> dict:
   return conftest.fast_xla_env(dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
-
 def _run(workdir: str, log_path: str, *, kill_worker_at: int | None = None,
          interrupt_at: int | None = None, **extra) -> None:
   """Runs ``jaxvla.main``; SIGKILLs an env worker once it has made ``kill_worker_at``
