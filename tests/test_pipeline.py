@@ -20,6 +20,7 @@ from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.rollout import rollout as rollout_lib
 from jaxvla.rollout import segments as segments_lib
 from jaxvla.runtime import broadcast as broadcast_lib
+from jaxvla.runtime import pipeline as pipeline_lib
 from jaxvla.runtime import queue as queue_lib
 from tests import end_to_end
 
@@ -466,12 +467,24 @@ def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
 @pytest.mark.parametrize("switches", [dict(mode="sync_colocated"),
                                       dict(mode="async", train_async=True, rollout_async=True,
                                            streamer=True)])
-def test_grpo_trains_end_to_end(tmp_path, switches):
-  """GRPO over group resets: one queue item per group of G episodes, streamed or not."""
+def test_grpo_trains_end_to_end(tmp_path, switches, monkeypatch):
+  """GRPO over group resets: one queue item per group of G episodes, streamed or not.
+
+  Every item the learner takes holds one group's G whole episodes (one group id, the
+  group's advantages normalised to mean 0), and each update takes num_envs / G of them."""
+  taken = []  # (learner version, item) for every item the learner took.
+  take = pipeline_lib.Pipeline._take
+
+  def spy(self, version):
+    item = take(self, version)
+    taken.append((version, item))
+    return item
+
+  monkeypatch.setattr(pipeline_lib.Pipeline, "_take", spy)
   c = default.get_config("smoke")
   c.total_env_steps = 600
   c.env_workers = 2
-  c.env.group_size = 2
+  g = c.env.group_size = 2
   c.algorithm, c.grpo.loss_normalizer = "grpo", "constant"
   c.ppo.update(num_epochs=1, num_minibatches=2, advantage_norm="none")
   c.bc.num_steps = 0  # RL from the fresh policy (the PPO runs above check the warm start)
@@ -480,6 +493,16 @@ def test_grpo_trains_end_to_end(tmp_path, switches):
   records = [r for r in end_to_end.records(str(tmp_path / "grpo")) if r["phase"] == "train"]
   assert summary["iterations"] >= 1 and len(records) == summary["iterations"]
   assert all(np.isfinite(r["loss"]) and "episode_return_mean" in r for r in records)
+  per_update = c.num_envs // g
+  versions = [v for v, _ in taken]
+  for v in range(summary["iterations"]):
+    assert versions.count(v) == per_update, (v, versions)
+  for v, item in taken:
+    eb = item.data
+    assert isinstance(eb, types.EpisodeBatch) and eb.group.shape == (g,), (v, eb.group)
+    assert item.num_segments == g and len(set(eb.group.tolist())) == 1, (v, eb.group)
+    assert eb.mask.any(axis=0).all(), f"update {v}: an episode of the group has no chunk"
+    np.testing.assert_allclose(eb.advantage.sum(), 0.0, atol=1e-5)
 
 
 def test_rollout_thread_error_stops_the_run(tmp_path, monkeypatch):
