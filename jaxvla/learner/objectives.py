@@ -186,7 +186,13 @@ class PPOObjective:
     """Value and advantage scale; with a proximal pass, the staleness diagnostics
     (module docstring): per-row means over all rows, the fresh ones (the learner's
     current version) and the stale ones, 0 for a subset with no rows."""
-    metrics = dict(value_mean=jnp.mean(traj.value), advantage_std=jnp.std(rows["adv"]))
+    # explained_variance: the share of the returns' variance that the rollout's values
+    # account for (1: a perfect critic, 0 or less: no better than a constant), the
+    # usual health sign of a critic; tests/test_learner_check.py holds a floor on it.
+    returns, value = rows["returns"], rows["value"]
+    metrics = dict(value_mean=jnp.mean(traj.value), advantage_std=jnp.std(rows["adv"]),
+                   explained_variance=1.0 - jnp.var(returns - value)
+                   / jnp.maximum(jnp.var(returns), 1e-8))
     if "proximal_value" not in rows:
       return metrics
     s = _log_prob_scale(self.policy, self.cfg)
