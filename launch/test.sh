@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# The whole test suite, in four steps that must all pass:
-#   (a) pytest -m "not sim and not slow and not multihost" -n WORKERS
-#                                             on tests/      the fast suite (CPU, tiny models)
-#   (b) pytest -m multihost                   on tests/      2 processes via jax.distributed
-#   (c) pytest -m slow -n WORKERS
-#                                             on tests/      RL learning runs and the other
-#                                                            minute-long runs (fault injection)
-#   (d) pytest -m sim -n WORKERS              on tests/sim/  real simulators (ManiSkill3, LIBERO)
-# Steps (a), (c) and (d) run their tests in parallel processes (pytest-xdist), one per core
-# up to 4; (b)'s tests each start two processes of their own, so they run one at a time.
+# The test suite. `bash launch/test.sh` (the README's test command, what .ci/run calls) runs
+# four steps that must all pass, about 25 minutes on a 2-core CPU machine:
+#   (a) fast       pytest -m "not sim and not slow and not multihost and not learning" -n WORKERS
+#                  the unit and integration tests (CPU, tiny models)
+#   (b) multihost  pytest -m multihost        2 processes joined by jax.distributed
+#   (c) slow       pytest -m slow -n WORKERS  runs of a minute or more: fault injection, replay,
+#                  the installed package, the notebook, and the learner check (a broken
+#                  learner fails it in minutes)
+#   (d) sim        pytest -m sim -n WORKERS   real simulators (ManiSkill3, LIBERO), tests/sim/
+# `bash launch/test.sh --only=learning` runs the fifth step, apart from the others:
+#   (e) learning   pytest -m learning -n WORKERS
+#                  the long learning runs (ManiSkill3 SFT -> whole-flow RL, async parity,
+#                  the planner's measured check), about 25 minutes on 2 cores. Run it before
+#                  calling done a change to models/, learner/, algorithms/, rollout/,
+#                  runtime/ or a recipe config (docs/guides/contributing.md).
+# Steps (a), (c), (d) and (e) run their tests in parallel processes (pytest-xdist), one per
+# core up to 4; (b)'s tests each start two processes of their own, so they run one at a time.
 #
-#   bash launch/test.sh [--only=fast|multihost|slow|sim] [pytest arguments ...]
+#   bash launch/test.sh [--only=fast|multihost|slow|sim|learning] [pytest arguments ...]
 #
 # Extra arguments go to every pytest run, from the repository root: options (-x, -v,
 # -k EXPR, --durations=0) and, if given, test paths, which then replace the step's default
@@ -19,6 +26,8 @@
 # which fails (see below).
 # "No tests collected" (pytest exit code 5) counts as a failure, so a step whose tests
 # vanished (bad marker, bad -k, an import-time skip) cannot pass silently.
+# The last line printed is the time table: each step's wall time and CPU-seconds, the
+# set-up's and the whole command's, also when a step failed.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,14 +36,43 @@ only=all
 pytest_args=()
 for arg in "$@"; do
   case "$arg" in
-    --only=fast | --only=multihost | --only=slow | --only=sim) only="${arg#--only=}" ;;
-    --only=*) echo "test.sh: --only takes fast, multihost, slow or sim, not '${arg#--only=}'" >&2
+    --only=fast | --only=multihost | --only=slow | --only=sim | --only=learning)
+      only="${arg#--only=}" ;;
+    --only=*) echo "test.sh: --only takes fast, multihost, slow, sim or learning, not '${arg#--only=}'" >&2
       exit 2 ;;
     *) pytest_args+=("$arg") ;;
   esac
 done
 
+# The time table (printed on exit, whatever the exit): "name wall_s cpu_s" per step.
+times_file=$(mktemp)
+table=()
+print_table() {
+  local line="=== test.sh: times:" entry name wall cpu
+  for entry in "${table[@]}"; do
+    read -r name wall cpu <<<"$entry"
+    line+=" $name ${wall} s / ${cpu} CPU-s;"
+  done
+  children_cpu_s
+  echo "$line whole $SECONDS s / ${cpu_s} CPU-s" >&2
+  rm -f "$times_file"
+}
+trap print_table EXIT
+
+# children_cpu_s: sets cpu_s to the user + system CPU seconds of this shell's finished
+# children (bash's `times`, second line "XmY.YYYs XmY.YYYs"), whole seconds. `times`
+# must run in this shell (a subshell's children are its own), hence the file.
+children_cpu_s() {
+  times >"$times_file"
+  cpu_s=$(awk 'NR == 2 {
+    total = 0
+    for (i = 1; i <= 2; i++) { split($i, p, "m"); total += p[1] * 60 + p[2] }
+    printf "%d", total }' "$times_file")
+}
+
 bash "$ROOT/launch/setup.sh" </dev/null
+children_cpu_s
+table+=("set-up $SECONDS $cpu_s")
 # shellcheck source=launch/env.sh
 source "$ROOT/launch/env.sh"
 cd "$ROOT"  # testpaths and the paths in pytest_args are relative to the root
@@ -51,8 +89,8 @@ export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 # run, never their speed: XLA's backend optimisations only add compile time there (a
 # third of the fast step), and so do XLA:CPU's MLIR fusion emitters (the tiny pi0's BC
 # gradient compiled in 4.3 s with them, 1.5 s with the classic ones; the LIBERO training
-# loop took 76 s instead of 98). The slow step keeps the defaults (its learning runs
-# execute for minutes).
+# loop took 76 s instead of 98). The slow and learning steps keep the defaults (the learner
+# check and the learning runs execute for minutes).
 fast_xla_flags="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # The slow step's tests whose runs are short (fault injection, the installed package, the
 # notebook) use them too (tests/conftest.py: fast_xla_env).
@@ -65,19 +103,6 @@ workers="${JAXVLA_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
 
 failed=()
 
-# children_cpu_s: sets cpu_s to the user + system CPU seconds of this shell's finished
-# children (bash's `times`, second line "XmY.YYYs XmY.YYYs"), whole seconds. `times`
-# must run in this shell (a subshell's children are its own), hence the file.
-children_cpu_s() {
-  times >"$times_file"
-  cpu_s=$(awk 'NR == 2 {
-    total = 0
-    for (i = 1; i <= 2; i++) { split($i, p, "m"); total += p[1] * 60 + p[2] }
-    printf "%d", total }' "$times_file")
-}
-times_file=$(mktemp)
-trap 'rm -f "$times_file"' EXIT
-
 # run_step NAME PYTEST_ARGS...: runs pytest with stdin closed (a test that prompts fails
 # instead of hanging) and records a failure for any non-zero exit, 5 included.
 run_step() {
@@ -89,6 +114,7 @@ run_step() {
   "$ROOT/.venv/bin/python" -m pytest "$@" </dev/null || rc=$?
   children_cpu_s
   echo "=== test.sh: step '$name' took $((SECONDS - start)) s, $((cpu_s - cpu0)) CPU-s" >&2
+  table+=("$name $((SECONDS - start)) $((cpu_s - cpu0))")
   if ((rc == 5)); then
     echo "=== test.sh: step '$name' collected no tests; counted as a failure" >&2
   fi
@@ -98,7 +124,7 @@ run_step() {
 }
 
 if [[ $only == all || $only == fast ]]; then
-  XLA_FLAGS=$fast_xla_flags run_step fast -m "not sim and not slow and not multihost" \
+  XLA_FLAGS=$fast_xla_flags run_step fast -m "not sim and not slow and not multihost and not learning" \
     -n "$workers" --dist worksteal "${pytest_args[@]}"
 fi
 if [[ $only == all || $only == multihost ]]; then
@@ -110,6 +136,11 @@ fi
 if [[ $only == all || $only == sim ]]; then
   XLA_FLAGS=$fast_xla_flags run_step sim -m sim -o testpaths=tests/sim -n "$workers" \
     --dist worksteal "${pytest_args[@]}"
+fi
+# Only when asked for: the long learning runs keep XLA's default flags (they execute for
+# minutes; unoptimised code runs them 1.6 times slower).
+if [[ $only == learning ]]; then
+  run_step learning -m learning -n "$workers" --dist worksteal "${pytest_args[@]}"
 fi
 
 if ((${#failed[@]})); then

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.run_first(5)
-@pytest.mark.slow  # Five processes, a minute: the slow step, beside the learning runs.
+@pytest.mark.slow  # Five processes, a minute: the slow step.
 def test_dry_run_runs_every_step_and_writes_one_json(tmp_path):
   out = tmp_path / "out"
   r = subprocess.run(

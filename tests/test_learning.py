@@ -21,7 +21,9 @@ from jaxvla import train
 from jaxvla.bench import parity
 from jaxvla.storage import checkpoint as checkpoint_lib
 
-pytestmark = pytest.mark.slow  # Minutes each: the third step of launch/test.sh.
+# Many minutes each: the learning step (`bash launch/test.sh --only=learning`), apart from
+# the per-submission suite; tests/test_learner_check.py is the suite's quick learning check.
+pytestmark = pytest.mark.learning
 
 
 @pytest.mark.run_first(1)  # (second: conftest deals the ranks out over the workers)

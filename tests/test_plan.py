@@ -373,12 +373,17 @@ def test_validate_rows_are_picked_by_name():
     validate.select(validate.ROWS, ["LIBERO", "LIBRO"])
 
 
-@pytest.mark.slow  # Measures a config, then benchmarks two modes: about a minute.
+# Measures a config, then benchmarks two modes: two to four minutes on 2 cores. A timing
+# check, so it runs in the learning step (`launch/test.sh --only=learning`), not in the
+# per-submission suite: it read an error of 0.57 against its bound of 0.5 with a third
+# test process on the two cores (docs/results/testing.md), and the suite's own load
+# varies with what else a CI machine runs.
+@pytest.mark.learning
 def test_validate_compares_the_simulator_with_measured_runs(tmp_path):
   """The small version of ``--validate``: one config's costs measured, two modes run and
   simulated. The documented check (every row within 15%, docs/results/scaling.md) is for
-  a quiet machine; the slow step runs two tests at a time, so the measured runs share the
-  cores with another test and only a gross error (a stage or a rule missing from the
+  a quiet machine; the learning step runs two tests at a time, so the measured runs share
+  the cores with another test and only a gross error (a stage or a rule missing from the
   model: a factor, not percent) fails here. Costs and runs are compiled alike, with the
   test suite's compile-time XLA flags (conftest.fast_xla_env): what is checked is the
   model against the programs measured, whichever programs they are."""

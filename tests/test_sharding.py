@@ -103,7 +103,7 @@ def test_config_mesh_checks():
     config_checks.validate_batch_shards(c, 4)
 
 
-@pytest.mark.slow  # A minute of compiling: the slow step, beside the learning runs.
+@pytest.mark.slow  # A minute of compiling: the slow step.
 @pytest.mark.run_first(6)
 @pytest.mark.timeout(900)
 def test_sharded_train_step_equals_unsharded():
