@@ -13,8 +13,8 @@ from configs import default  # noqa: E402
 
 @pytest.hookimpl(trylast=True)  # After pytest's own -m / -k deselection (see below).
 def pytest_collection_modifyitems(config, items):
-  """Tests marked ``run_first`` first, by rank (the learning runs, minutes each, are rank
-  0), stable otherwise: with parallel workers (``launch/test.sh``), a long test started
+  """Tests marked ``run_first`` first, by rank (the longest runs of a step, minutes each,
+  are rank 0), stable otherwise: with parallel workers (``launch/test.sh``), a long test started
   last would run on alone at the end.
 
   Under pytest-xdist the order is also dealt out over the workers. Its ``worksteal``
@@ -27,11 +27,12 @@ def pytest_collection_modifyitems(config, items):
   worker while the other ran the rest. On 2 cores that step is CPU-bound, so it took
   as long either way (776 s dealt wrongly, 780 s dealt right: 1,444 and 1,449
   CPU-seconds); where each worker has a core of its own, the dealt order is the faster
-  one. The slow step's ranks 0..7 (and the planner's check, unranked, last) deal its
-  nine tests so that each of two workers holds about half of the work, from a fresh
-  clone's durations: ManiSkill3 learning run (about 520 s beside the others), notebook
-  (70), install (32), sharded step (34) | parity run (247), fault injection (104),
-  gpu_check dry run (97), replay (124), planner (101).
+  one. The slow step's ranks 0..6 deal its seven tests so that each of two workers
+  holds about half of the work, from a fresh clone's durations on a 2-core AMD EPYC
+  (2026-12-02): learner check (129 s), notebook (63), fault injection (56) | replay
+  (107), gpu_check dry run (89), sharded step (42), install (26). The learning step's
+  ranks 0 and 1 (and the planner's check, unranked, last) put the ManiSkill3 run on
+  one worker and the parity run, then the planner's check, on the other.
   """
   items.sort(key=_rank)
   workers = getattr(config, "workerinput", {}).get("workercount", 1)

@@ -139,7 +139,7 @@ def _records(workdir: str, phase: str, name: str = metrics.FILE) -> list[dict]:
 
 
 @pytest.mark.slow  # (two runs with faults: a minute and more; test.sh's third step)
-@pytest.mark.run_first(3)
+@pytest.mark.run_first(4)
 def test_every_env_step_is_accounted_for_through_faults_and_a_resume(tmp_path, smoke_config):
   workdir, ckpt_dir = str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints")
   # -- Run A: faults while it trains, then SIGKILL (possibly in the middle of a save).

@@ -17,7 +17,7 @@ from tests import conftest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.run_first(5)
+@pytest.mark.run_first(3)
 @pytest.mark.slow  # Five processes, a minute: the slow step.
 def test_dry_run_runs_every_step_and_writes_one_json(tmp_path):
   out = tmp_path / "out"

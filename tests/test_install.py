@@ -34,7 +34,7 @@ def _run(argv, env, cwd, timeout=600):
   return r
 
 
-@pytest.mark.run_first(4)
+@pytest.mark.run_first(6)
 @pytest.mark.slow  # A pip build, a short run, an evaluation and a server: about two minutes.
 def test_installed_jaxvla_trains_evaluates_and_serves_outside_the_checkout(tmp_path):
   site, elsewhere = tmp_path / "site", tmp_path / "elsewhere"

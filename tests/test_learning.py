@@ -27,7 +27,7 @@ pytestmark = pytest.mark.learning
 
 
 @pytest.mark.run_first(1)  # (second: conftest deals the ranks out over the workers)
-# About 7.5 minutes beside the slow step's other tests on an AVX-512 CPU; alone 441 s
+# About 7.5 minutes beside the other learning tests on an AVX-512 CPU; alone 441 s
 # on an AVX2-only one against 257 (docs/results/testing.md), so about 13 minutes beside
 # the others there, near the suite's 15-minute hang guard: a guard of its own.
 @pytest.mark.timeout(1800)
@@ -74,7 +74,7 @@ def test_async_learning_matches_sync(tmp_path):
 
 
 @pytest.mark.run_first(0)  # (the longest: first)
-# About 13 minutes beside the slow step's other tests on an AVX-512 CPU (15 in a slow
+# About 13 minutes beside the other learning tests on an AVX-512 CPU (15 in a slow
 # hour), about twice that on an AVX2-only CPU (CI's, some days): a guard of its own.
 @pytest.mark.timeout(3600)
 def test_sft_then_whole_flow_rl_raises_maniskill_success(tmp_path):

@@ -109,7 +109,7 @@ def _learning_records(workdir: str) -> tuple[list[dict], list[dict]]:
 
 
 @pytest.mark.slow  # (five short runs: about two and a half minutes)
-@pytest.mark.run_first(7)
+@pytest.mark.run_first(1)
 def test_an_async_run_with_a_fault_and_a_resume_replays_bit_for_bit(tmp_path):
   run, replay = str(tmp_path / "run"), str(tmp_path / "replay")
   # The recorded run: a worker killed at update 3, Ctrl-C at update 9, then resumed.

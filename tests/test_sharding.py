@@ -104,7 +104,7 @@ def test_config_mesh_checks():
 
 
 @pytest.mark.slow  # A minute of compiling: the slow step.
-@pytest.mark.run_first(6)
+@pytest.mark.run_first(5)
 @pytest.mark.timeout(900)
 def test_sharded_train_step_equals_unsharded():
   """tiny pi0 on 8 fake CPU devices, every mesh axis at once (data=2, fsdp=2,
