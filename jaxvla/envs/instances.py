@@ -32,6 +32,10 @@ class InstanceBatch:
     _observe(raw [b]) -> Observation ``[b]``: a list of raw observations as a batch.
       :meth:`observe` is that of ``self._last`` (each env's latest); a chunk also
       turns the last raw observation of a truncated episode into its ``final_obs``.
+    _complete(i, raw) -> raw observation: ``raw`` (instance ``i``'s latest) made whole
+      for the policy. Called only for the observations the policy reads: a reset's, a
+      chunk's last, a truncated episode's final one. Default: ``raw`` as it is; an
+      adapter whose steps skip the cameras inside a chunk renders them here.
   """
 
   num_envs: int
@@ -71,8 +75,11 @@ class InstanceBatch:
 
   def _new_episode(self, i: int) -> None:
     """Starts episode ``self._episode[i]`` of instance ``i``."""
-    self._last[i] = self._reset_one(i)
+    self._last[i] = self._complete(i, self._reset_one(i))
     self.t[i], self.ep_return[i] = 0, 0.0
+
+  def _complete(self, i: int, raw):  # pylint: disable=unused-argument
+    return raw
 
   def _map_actions(self, actions: np.ndarray) -> np.ndarray:
     return np.clip(actions, -1.0, 1.0)
@@ -111,9 +118,11 @@ class InstanceBatch:
             episode_return=float(self.ep_return[i]), length=int(self.t[i]),
             success=bool(success[i]), truncated=bool(truncated[i])))
         if truncated[i]:  # Converted now: the reset may reuse the simulator's buffers.
-          final_obs.append(self._observe([self._last[i]]))
+          final_obs.append(self._observe([self._complete(i, self._last[i])]))
         self._episode[i] += 1  # Auto-reset: the env's own next episode.
         self._new_episode(i)
+      else:  # The chunk's last observation: the one the policy reads next.
+        self._last[i] = self._complete(i, self._last[i])
     success &= terminated | truncated  # success is reported when the episode ends
     return protocol.ChunkStep(
         obs=self.observe(), reward=reward, terminated=terminated, truncated=truncated,

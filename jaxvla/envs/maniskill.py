@@ -10,6 +10,12 @@ the agent's ``qpos`` and ``qvel`` and the task's ``extra`` fields (``state``
 mode: ManiSkill's flat state vector), and a fixed
 instruction per task. Actions in ``[-1, 1]`` are mapped linearly onto the
 controller's action bounds.
+
+With cameras, only the observations the policy reads are rendered: a reset's, a
+chunk's last and a truncated episode's final one. The control steps inside a chunk
+run with ManiSkill's ``state_dict`` observations (no sensors), and the cameras are
+rendered from the state reached: the same image as rendering at every step (tested),
+for one render per chunk instead of one per control step, most of an RGB step's cost.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ OBS_MODES = ("rgb", "state")
 # change of ManiSkill's normalised dense reward used as a potential (see ManiSkillCPU).
 REWARD_MODES = ("sparse", "dense", "normalized_dense", "sparse_shaped")
 CONTROL_MODES = ("pd_joint_delta_pos", "pd_ee_delta_pose", "pd_joint_pos")
+# What a control step inside a chunk observes when the cameras are rendered per chunk:
+# the agent's and the task's state, no sensors (ManiSkill's own obs mode of that name).
+_STEP_OBS_MODE = "state_dict"
 
 
 def _np(x) -> np.ndarray:
@@ -135,12 +144,16 @@ class ManiSkillCPU(instances.InstanceBatch):
     group_size: GRPO group size G; envs ``i // G`` share every episode's seed.
     first_env_id: global id of this batch's instance 0 (pool workers).
     total_envs: envs in the whole run (default: this batch is the run).
+    render_every_step: render the cameras at every control step, as ManiSkill's own
+      ``step`` does (``rgb`` only; for comparisons: the default renders what the policy
+      reads, the same images).
   """
 
   def __init__(self, task: str, count: int, *, obs_mode: str = "rgb",
                control_mode: str = "pd_joint_delta_pos", image_size: int = 64,
                max_episode_steps: int = 50, reward_mode: str = "sparse", seed: int = 0,
-               group_size: int = 1, first_env_id: int = 0, total_envs: int | None = None):
+               group_size: int = 1, first_env_id: int = 0, total_envs: int | None = None,
+               render_every_step: bool = False):
     self.num_envs = count
     self._init_groups(group_size, first_env_id, total_envs)
     self.task_name = task
@@ -150,6 +163,11 @@ class ManiSkillCPU(instances.InstanceBatch):
     self._envs = [make_gym_env(task, obs_mode=obs_mode, control_mode=control_mode,
                                image_size=image_size, max_episode_steps=max_episode_steps,
                                reward_mode=reward_mode) for _ in range(count)]
+    # Steps observe without sensors; _complete renders the observations the policy reads.
+    self._render_in_complete = obs_mode == "rgb" and not render_every_step
+    if self._render_in_complete:
+      for env in self._envs:
+        env.unwrapped._obs_mode = _STEP_OBS_MODE  # pylint: disable=protected-access
     space = self._envs[0].action_space
     self._low, self._high = space.low.reshape(-1), space.high.reshape(-1)
     self._seed = seed
@@ -165,6 +183,19 @@ class ManiSkillCPU(instances.InstanceBatch):
     obs, _ = self._envs[i].reset(seed=self.episode_index(i))
     self._phi[i] = 0.0
     return obs
+
+  def _complete(self, i: int, raw):
+    """The observation of instance ``i``'s current state with its cameras rendered."""
+    if not self._render_in_complete:
+      return raw
+    env = self._envs[i].unwrapped
+    # ManiSkill picks what get_obs returns by this private field (its constructor's
+    # obs_mode); its public get_obs renders the sensors in "rgb" mode.
+    env._obs_mode = "rgb"  # pylint: disable=protected-access
+    try:
+      return env.get_obs()
+    finally:
+      env._obs_mode = _STEP_OBS_MODE  # pylint: disable=protected-access
 
   def _map_actions(self, actions: np.ndarray) -> np.ndarray:
     return self._low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (self._high - self._low)

@@ -33,6 +33,38 @@ def test_pool_rgb_chunks_shapes_and_rewards():
     env.close()
 
 
+def test_per_chunk_rendering_gives_the_images_of_rendering_every_step():
+  """The cameras rendered only where the policy reads them (a reset, a chunk's last
+  step, a truncated episode's final step) give exactly what rendering at every control
+  step gives at the same states: images, states, rewards, episode ends and final
+  observations, over chunks that cross a time limit (12 steps: the third chunk's second
+  step truncates) and a reset."""
+  kw = dict(obs_mode="rgb", image_size=32, max_episode_steps=12, reward_mode="sparse_shaped")
+  per_chunk = maniskill_env.ManiSkillCPU("PushCube-v1", 2, **kw)
+  every_step = maniskill_env.ManiSkillCPU("PushCube-v1", 2, render_every_step=True, **kw)
+  try:
+    a, b = per_chunk.reset(3), every_step.reset(3)
+    np.testing.assert_array_equal(a.images, b.images)
+    assert a.images.std() > 1.0  # rendered, not blank
+    np.testing.assert_array_equal(a.state, b.state)
+    rng = np.random.default_rng(0)
+    truncations = 0
+    for _ in range(6):
+      actions = rng.uniform(-1, 1, (2, 5, per_chunk.spec.action_dim))
+      ra, rb = per_chunk.step_chunk(actions), every_step.step_chunk(actions)
+      np.testing.assert_array_equal(ra.obs.images, rb.obs.images)
+      np.testing.assert_array_equal(ra.obs.state, rb.obs.state)
+      for field in ("reward", "terminated", "truncated", "success", "steps", "has_final_obs"):
+        np.testing.assert_array_equal(getattr(ra, field), getattr(rb, field), err_msg=field)
+      np.testing.assert_array_equal(ra.final_obs.images, rb.final_obs.images)
+      np.testing.assert_array_equal(ra.final_obs.state, rb.final_obs.state)
+      truncations += int(ra.truncated.sum())
+    assert truncations >= 2, truncations  # The time limit was crossed mid-chunk.
+  finally:
+    per_chunk.close()
+    every_step.close()
+
+
 def test_group_members_share_initial_states():
   env = maniskill_env.ManiSkillCPU("PickCube-v1", 2, obs_mode="state", max_episode_steps=3,
                                    group_size=2)
