@@ -71,6 +71,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 'pd_joint_delta_pos', 'pd_ee_delta_pose' or 'pd_joint_pos' (absolute joint targets).
   c.env.control_mode = "pd_joint_delta_pos"
   c.env.image_size = 64  # Camera width and height (rgb).
+  # rgb: render the cameras at every control step (True, ManiSkill's own step) or only for
+  # the observations the policy reads, a chunk's last and a reset's (False: same images).
+  c.env.render_every_step = False
   c.env.max_episode_steps = 50  # Time limit in env steps.
   # ManiSkill's ('sparse': 1 on success, 'normalized_dense', ...) or 'sparse_shaped' (the
   # success plus potential-based shaping by the normalised dense reward).

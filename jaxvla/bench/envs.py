@@ -27,7 +27,9 @@ from jaxvla import config_files
 from jaxvla.envs import make_vec_env
 
 _ADAPTERS = flags.DEFINE_list("adapters", ["builtin"],
-                              "Adapters: builtin, maniskill_state, maniskill_rgb, libero.")
+                              "Adapters: builtin, maniskill_state, maniskill_rgb "
+                              "(cameras per chunk), maniskill_rgb_every_step, libero.")
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", 0, "maniskill_rgb*: camera side (0: the config's).")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2", "4", "8"], "Worker counts to measure.")
 _ENVS_PER_WORKER = flags.DEFINE_integer("envs_per_worker", 2, "Envs owned by each worker.")
 _SECONDS = flags.DEFINE_float("seconds", 5.0, "Measured time per (adapter, workers, mode).")
@@ -42,7 +44,8 @@ _LATENCY_SIGMA = flags.DEFINE_float("latency_sigma", 1.0, "builtin: log-normal s
 def env_config(adapter: str) -> ml_collections.ConfigDict:
   """The ``env`` sub-config of ``adapter`` (from the project's configs)."""
   config_file = {"builtin": "default", "maniskill_state": "maniskill",
-                 "maniskill_rgb": "maniskill", "libero": "libero"}.get(adapter)
+                 "maniskill_rgb": "maniskill", "maniskill_rgb_every_step": "maniskill",
+                 "libero": "libero"}.get(adapter)
   if config_file is None:
     raise ValueError(f"--adapters: unknown adapter {adapter!r}")
   path = os.path.join(config_files.CONFIG_DIR, f"{config_file}.py")
@@ -50,8 +53,13 @@ def env_config(adapter: str) -> ml_collections.ConfigDict:
     c = config_files.load_config(path).env
     c.latency_ms, c.latency_sigma = _LATENCY_MS.value, _LATENCY_SIGMA.value
     return c
-  if adapter in ("maniskill_state", "maniskill_rgb"):
-    return config_files.load_config(path, "state" if adapter == "maniskill_state" else "").env
+  if adapter == "maniskill_state":
+    return config_files.load_config(path, "state").env
+  if adapter in ("maniskill_rgb", "maniskill_rgb_every_step"):
+    c = config_files.load_config(path, "").env
+    c.render_every_step = adapter == "maniskill_rgb_every_step"
+    c.image_size = _IMAGE_SIZE.value or c.image_size
+    return c
   return config_files.load_config(path).env
 
 

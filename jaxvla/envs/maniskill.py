@@ -224,4 +224,5 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
                       max_episode_steps=config.max_episode_steps,
                       reward_mode=config.reward_mode, seed=seed,
                       group_size=config.group_size if group_size is None
-                      else group_size, first_env_id=first_env_id, total_envs=total_envs)
+                      else group_size, first_env_id=first_env_id, total_envs=total_envs,
+                      render_every_step=config.get("render_every_step", False))
