@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite. `bash launch/test.sh` (the README's test command, what .ci/run calls) runs
-# four steps that must all pass, about 25 minutes on a 2-core CPU machine:
+# four steps that must all pass, 20 to 23 minutes on a 2-core CPU machine (set-up included):
 #   (a) fast       pytest -m "not sim and not slow and not multihost and not learning" -n WORKERS
 #                  the unit and integration tests (CPU, tiny models)
 #   (b) multihost  pytest -m multihost        2 processes joined by jax.distributed
@@ -11,7 +11,7 @@
 # `bash launch/test.sh --only=learning` runs the fifth step, apart from the others:
 #   (e) learning   pytest -m learning -n WORKERS
 #                  the long learning runs (ManiSkill3 SFT -> whole-flow RL, async parity,
-#                  the planner's measured check), about 25 minutes on 2 cores. Run it before
+#                  the planner's measured check), about 11 minutes on 2 cores. Run it before
 #                  calling done a change to models/, learner/, algorithms/, rollout/,
 #                  runtime/ or a recipe config (docs/guides/contributing.md).
 # Steps (a), (c), (d) and (e) run their tests in parallel processes (pytest-xdist), one per
