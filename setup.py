@@ -42,6 +42,9 @@ EXTRAS_REQUIRE = {
         "torch==2.13.0",
         # ManiSkill3; pulls sapien 3.0.x (Vulkan renderer, needs the lavapipe ICD on CPU).
         "mani-skill==3.0.1",
+        # Quadric decimation of the Panda's visual meshes for the CPU renderer
+        # (jaxvla/envs/lowpoly.py).
+        "fast-simplification",
         # LIBERO's simulator stack. LIBERO itself (libero==0.1.1) is installed by setup.sh
         # with --no-deps because its metadata pulls training-only packages (wandb,
         # transformers, robomimic, ...). mujoco >= 3.17 / 4.x break robosuite 1.4.

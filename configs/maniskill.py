@@ -42,9 +42,17 @@ import ml_collections
 
 from jaxvla import defaults
 
-VARIANTS = ("", "state", "sft_rl", "sft_rl_short", "flow_rl", "flow_rl_short")
+VARIANTS = ("", "state", "sft_rl", "sft_rl_short", "flow_rl", "flow_rl_short", "vision_rl",
+            "vision_rl_short", "vision_multitask")
 # The whole-flow recipes: their SFT variant and RL method.
 FLOW_RL = {"flow_rl": ("sft_rl", "pirl_noise"), "flow_rl_short": ("sft_rl_short", "pirl_noise")}
+# The camera recipes: the state recipe each one changes.
+VISION = {"vision_rl": "sft_rl", "vision_rl_short": "sft_rl_short", "vision_multitask": "sft_rl"}
+# vision_multitask's tasks: one robot and camera, told apart by the instruction and pixels.
+MULTITASK = "PushCube-v1,PickCube-v1,StackCube-v1"
+# Its state, laid out alike for every task (goal_pos and is_grasped zero where a task
+# has none): ManiSkill's rgb-mode fields, never an object's pose.
+MULTITASK_STATE = "qpos,qvel,tcp_pose,is_grasped,goal_pos"
 METHODS = ("residual", "latent", "flow_sde", "pirl_sde", "pirl_noise", "grpo")
 
 
@@ -53,12 +61,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if variant not in VARIANTS:
     raise ValueError(f"unknown variant {variant!r} of configs/maniskill.py; choose one of "
                      f"{[v for v in VARIANTS if v]}")
-  if method and (variant not in ("sft_rl", "sft_rl_short") or method not in METHODS):
+  if method and (variant not in ("sft_rl", "sft_rl_short", *VISION) or method not in METHODS):
     raise ValueError(f"unknown method {method!r} of configs/maniskill.py:{variant}; the "
-                     f"sft_rl variants take one of {METHODS}")
-  flow_rl = variant in FLOW_RL
+                     f"sft_rl and vision variants take one of {METHODS}")
+  flow_rl, vision = variant in FLOW_RL, variant if variant in VISION else ""
   if flow_rl:
     variant, method = FLOW_RL[variant]
+  if vision:
+    variant = VISION[vision]
   c = defaults.get_config()
   c.total_env_steps = 20_000  # Budget: RL env steps of the whole run.
   c.num_envs = 4  # ManiSkill CPU instances.
@@ -79,6 +89,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # success plus potential-based shaping by the normalised dense reward).
   c.env.reward_mode = "sparse"
   c.env.group_size = 1  # GRPO groups: envs i // G share each episode's init (1: no groups).
+  # rgb: the state's fields in order, e.g. 'qpos,qvel,tcp_pose' ('': ManiSkill's own rgb
+  # fields). Only rgb-mode fields (envs/maniskill.py PIXEL_STATE_FIELDS), never an object's pose.
+  c.env.state_keys = ""
+  c.env.robot = ""  # ManiSkill's robot_uids ('': the task's own; StackCube's has a wrist camera).
+  # rgb: the Panda drawn with decimated visual meshes ('lowpoly': 5% of the triangles, the
+  # same physics, ~7x cheaper images on a CPU; envs/lowpoly.py) or ManiSkill's ('full').
+  c.env.render_meshes = "lowpoly"
   # state: the 1x1 placeholder image -> one 8 px patch.
   c.model.image_size = 0 if c.env.obs_mode == "rgb" else 8
   if c.env.obs_mode == "state":
@@ -143,6 +160,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.total_env_steps = 80_000
     c.eval.every_iters = 1000  # At the start and the end only.
     c.checkpoint.every_iters = 1000
+  if vision:
+    _set_vision(c, vision)
   if method:
     _set_method(c, method)
   if flow_rl:
@@ -154,6 +173,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # mean +0.11 (docs/results/maniskill.md).
       c.total_env_steps = 160_000
   return c
+
+
+def _set_vision(c: ml_collections.ConfigDict, vision: str) -> None:
+  """The camera recipe's settings over its state recipe (the module docstring)."""
+  c.env.obs_mode = "rgb"
+  c.model.image_size = 0  # The ViT sees the camera's 64 px: 8 x 8 patches of 8 px.
+  # (value_source stays 'expert': pi0's state token, which attends to the image tokens.)
+  if vision == "vision_multitask":
+    c.env.task = MULTITASK
+    c.env.state_keys = MULTITASK_STATE
+    c.env.robot = "panda"  # One robot and camera for all three (StackCube's own adds a wrist one).
 
 
 def _set_method(c: ml_collections.ConfigDict, method: str) -> None:

@@ -8,8 +8,9 @@ this file calls (one owner per rule): mesh sizes and rules
 (:meth:`jaxvla.runtime.pipeline.Levels.from_config`), ``config.distributed``
 (:func:`jaxvla.parallel.distributed.validate`), ``config.data``
 (:func:`jaxvla.data.config.validate`), ``config.model.lora*``
-(:func:`jaxvla.models.lora.check_config`) and the samplers
-(:func:`jaxvla.models.denoise.check_samplers`). The rest are relations between fields.
+(:func:`jaxvla.models.lora.check_config`), the samplers
+(:func:`jaxvla.models.denoise.check_samplers`) and ManiSkill3's tasks and pixel state
+(:func:`jaxvla.envs.maniskill.check_config`). The rest are relations between fields.
 """
 
 import ml_collections
@@ -17,7 +18,7 @@ import ml_collections
 from jaxvla import defaults
 from jaxvla.algorithms import grpo, ppo
 from jaxvla.data import config as data_config
-from jaxvla.envs import protocol
+from jaxvla.envs import maniskill, protocol
 from jaxvla.learner import learner
 from jaxvla.models import denoise, lora
 from jaxvla.parallel import distributed, sharding
@@ -83,6 +84,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
            f"openpi checkpoints hold pi0 / pi0.5 trees; model.name={c.model.name!r} cannot load "
            f"{c.model.init_checkpoint!r}")
   lora.check_config(c.model)
+  if c.env.name == "maniskill":
+    maniskill.check_config(c.env)
   protocol.group_layout(c.env.group_size, c.num_envs)
   sharding.check_mesh_config(c.mesh)
   _validate_pipeline(c)

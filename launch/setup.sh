@@ -222,7 +222,8 @@ _jaxvla_venv_ok() {
 import importlib.util, os, sys, sysconfig
 mods = ["jaxvla", "jax", "flax", "optax", "torch", "mani_skill", "sapien", "mujoco",
         "robosuite", "bddl", "libero", "pytest", "pytest_timeout", "imageio", "nbclient",
-        "nbformat", "ipykernel", "websockets", "msgpack", "openpi_client"]
+        "nbformat", "ipykernel", "websockets", "msgpack", "openpi_client",
+        "fast_simplification"]
 missing = [m for m in mods if importlib.util.find_spec(m) is None]
 assets = os.path.join(sysconfig.get_paths()["purelib"], "libero", "libero", "assets", "scenes")
 planner = os.path.join(sys.prefix, "planner-site", "numpy")

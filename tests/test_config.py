@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from configs import default
@@ -207,6 +208,50 @@ def test_maniskill_rl_methods():
   for bad in ("sft_rl_short,dsrl", "state,pirl_sde"):
     with pytest.raises(ValueError, match="unknown method"):
       maniskill.get_config(bad)
+
+
+def test_pixel_recipes_hold_no_object_pose_in_their_state():
+  """configs/maniskill.py:vision_*: cameras, ManiSkill's rgb-mode state, and a check that
+  refuses a pixel recipe whose state names an object's pose or an object-relative vector."""
+  from configs import maniskill  # pylint: disable=import-outside-toplevel
+  for variant in maniskill.VISION:
+    c = maniskill.get_config(variant)
+    config_checks.validate(c)
+    assert (c.env.obs_mode, c.model.image_size, c.bc.num_steps > 0) == ("rgb", 0, True)
+  multi = maniskill.get_config("vision_multitask")
+  assert multi.env.task == "PushCube-v1,PickCube-v1,StackCube-v1"
+  assert multi.env.state_keys == "qpos,qvel,tcp_pose,is_grasped,goal_pos"
+  for leak in ("obj_pose", "tcp_to_obj_pos", "obj_to_goal_pos", "cubeA_pose"):
+    c = maniskill.get_config("vision_rl_short")
+    c.env.state_keys = f"qpos,qvel,{leak}"
+    with pytest.raises(ValueError, match=f"config.env.state_keys=.*'{leak}'.*find the objects"):
+      config_checks.validate(c)
+  c = maniskill.get_config("vision_multitask")
+  c.env.state_keys = ""  # several tasks, each with ManiSkill's own (different) layout
+  with pytest.raises(ValueError, match="config.env.task=.*one state layout"):
+    config_checks.validate(c)
+  c = maniskill.get_config("vision_rl_short")
+  c.env.task = "PushCube-v1,PushBlock-v9"
+  with pytest.raises(ValueError, match="config.env.task: 'PushBlock-v9' is not one of"):
+    config_checks.validate(c)
+  assert maniskill.get_config("vision_rl_short,pirl_noise").model.train_sampler == "flow_noise"
+
+
+def test_pixel_state_takes_named_fields_pads_missing_goals_and_refuses_others():
+  """The state of an rgb observation: the fields named in order, a task's missing goal
+  zero-padded, an object's pose refused (a raw ManiSkill observation's layout)."""
+  from jaxvla.envs import maniskill  # pylint: disable=import-outside-toplevel
+  obs = dict(agent=dict(qpos=np.arange(9.0)[None], qvel=np.ones((1, 9))),
+             extra=dict(tcp_pose=np.full((1, 7), 2.0)))
+  v = maniskill.state_vector(obs, ("qpos", "qvel", "tcp_pose", "is_grasped", "goal_pos"))
+  np.testing.assert_array_equal(v, np.concatenate([np.arange(9.0), np.ones(9), np.full(7, 2.0),
+                                                   np.zeros(4)]))
+  assert maniskill.state_vector(obs).shape == (25,)  # ManiSkill's own: agent, then extra
+  with pytest.raises(ValueError, match="names 'tcp_pose', which this task's rgb observation lacks"):
+    maniskill.state_vector(dict(agent=obs["agent"], extra={}), ("qpos", "tcp_pose"))
+  obs["extra"]["obj_pose"] = np.zeros((1, 7))
+  with pytest.raises(ValueError, match="'obj_pose' is not one of"):
+    maniskill.state_vector(obs)
 
 
 def test_libero_bench_config():

@@ -9,7 +9,8 @@ plans a grasp and screw motions and steps a ``pd_joint_pos`` env along the path.
 (:mod:`jaxvla.data.planner_worker`, which also says how each step is recorded
 and labelled in the policy's control mode) with the observation settings of
 ``config.env``, and yields their episodes in seed order. Attempt ``k`` is the
-task's episode with seed ``config.seed + k``.
+task's episode with seed ``config.seed + k``; with several tasks (``env.task`` joined by
+commas) it is task ``k % n``'s, so the tasks take turns.
 
 The workers run with NumPy 1 first on their path: mplib is built against it and
 crashes under NumPy 2, which jax needs (``launch/setup.sh`` installs it into
@@ -64,9 +65,11 @@ class PlannerDemonstrator:
     e = config.env
     # The worker's own table of solutions and label modes (one owner of each).
     solvable = sorted(t for t in maniskill.INSTRUCTIONS if t in planner_worker.solutions())
-    if e.task not in solvable:
-      raise ValueError(f"config.env.task={e.task!r} has no ManiSkill3 motion-planning solution; "
-                       f"offline tasks with one: {solvable}")
+    self._tasks = maniskill.tasks(e.task)
+    for task in self._tasks:
+      if task not in solvable:
+        raise ValueError(f"config.env.task: {task!r} has no ManiSkill3 motion-planning "
+                         f"solution; offline tasks with one: {solvable}")
     if e.control_mode not in planner_worker.LABEL_CONTROL_MODES:
       raise ValueError(f"config.env.control_mode={e.control_mode!r}: planner demonstrations are "
                        f"recorded for {planner_worker.LABEL_CONTROL_MODES} only")
@@ -76,7 +79,9 @@ class PlannerDemonstrator:
     probe = maniskill.ManiSkillCPU(e.task, 1, obs_mode=e.obs_mode, control_mode=e.control_mode,
                                    image_size=e.image_size,
                                    max_episode_steps=e.max_episode_steps,
-                                   reward_mode=e.reward_mode, seed=config.seed)
+                                   reward_mode=e.reward_mode, seed=config.seed,
+                                   state_keys=maniskill.parse_state_keys(e.get("state_keys", "")),
+                                   **maniskill.gym_options(e))
     self.spec: protocol.EnvSpec = probe.spec
     probe.close()
     self.attempts = self.successes = self.planner_errors = 0
@@ -84,11 +89,18 @@ class PlannerDemonstrator:
 
   def _command(self, seeds: list[int], out: str) -> list[str]:
     e = self._env_config
-    return [sys.executable, "-m", "jaxvla.data.planner_worker", f"--task={e.task}",
+    tasks = [self._task(seed) for seed in seeds]
+    return [sys.executable, "-m", "jaxvla.data.planner_worker", f"--tasks={','.join(tasks)}",
             f"--obs_mode={e.obs_mode}", f"--label_mode={e.control_mode}",
             f"--reward_mode={e.reward_mode}", f"--image_size={e.image_size}",
             f"--max_episode_steps={e.max_episode_steps}",
-            f"--seeds={','.join(map(str, seeds))}", f"--out={out}", f"--noise={self.noise}"]
+            f"--seeds={','.join(map(str, seeds))}", f"--out={out}", f"--noise={self.noise}",
+            f"--state_keys={e.get('state_keys', '')}"] + [
+                f"--{k}={v}" for k, v in maniskill.gym_options(e).items()]
+
+  def _task(self, seed: int) -> str:
+    """The task attempted with ``seed``: attempt ``seed - config.seed``'s turn."""
+    return self._tasks[(seed - self.seed) % len(self._tasks)]
 
   def episodes(self, num_episodes: int) -> Iterator[demonstrators.Episode]:
     """Attempts ``num_episodes`` seeds; an attempt whose solution raised before its first
@@ -131,14 +143,14 @@ class PlannerDemonstrator:
     self.clipped += int(rec["clipped"])
     if str(rec["error"]):
       self.planner_errors += 1
-      log.warning("motion planner failed on %s seed %d: %s", self._env_config.task, seed,
+      log.warning("motion planner failed on %s seed %d: %s", self._task(seed), seed,
                   rec["error"])
     if "actions" not in rec:
       return None
     self.labels += rec["actions"].size
     return demonstrators.Episode(images=rec["images"], state=rec["state"], actions=rec["actions"],
                            rewards=rec["rewards"],
-                           instruction=maniskill.INSTRUCTIONS[self._env_config.task],
+                           instruction=maniskill.INSTRUCTIONS[self._task(seed)],
                            terminated=success, success=success)
 
   def report(self) -> dict:

@@ -6,16 +6,17 @@ with NumPy 1 first on its path (``launch/setup.sh`` installs it into
 ``.venv/planner-site``) and imports neither jax nor TFDS: only
 NumPy, gymnasium, mani-skill and :mod:`jaxvla.envs.maniskill`.
 
-``python -m jaxvla.data.planner_worker --task T --obs_mode M --label_mode L
+``python -m jaxvla.data.planner_worker --tasks T0,T1,... --obs_mode M --label_mode L
 --image_size N --max_episode_steps N --reward_mode R --seeds S0,S1,... --out DIR
-[--noise S]``
-attempts each seed and, per attempt, writes ``DIR/<seed>.npz`` (``images [T, N_cam,
+[--noise S] [--state_keys K0,K1,...] [--robot R] [--render_meshes M]``
+attempts each seed on its task (``--tasks`` holds one per seed) and, per attempt, writes ``DIR/<seed>.npz`` (``images [T, N_cam,
 H, W, 3]``, ``state [T, S]``, ``actions [T, A]``, ``rewards [T]``, ``success``,
 ``clipped``, ``error``) and then prints one JSON line ``{"seed": S, "file": ...}``
 on the stdout it was given (the solutions' own prints go to stderr).
 
 Recording (:class:`Recorder`): each step's observation before the planner's
-action, and the action as a label in the policy's control mode, as ManiSkill's
+action (with cameras, rendered for the recorded steps only: the planner's own steps run
+without sensors, as the RL env's inside a chunk do), and the action as a label in the policy's control mode, as ManiSkill's
 ``replay_trajectory`` converts ``pd_joint_pos`` trajectories:
 
 * ``pd_joint_delta_pos``: ``(target - qpos) / 0.1`` per arm joint (that controller
@@ -83,9 +84,14 @@ class Recorder(gym.Wrapper):
   episode ends for RL (success or the time limit); later steps run unrecorded."""
 
   def __init__(self, env, labeler: Labeler, max_episode_steps: int, noise: float = 0.0,
-               rng: np.random.Generator | None = None):
+               rng: np.random.Generator | None = None, render: bool = False):
     super().__init__(env)
     self.labeler, self.max_episode_steps = labeler, max_episode_steps
+    # rgb: the env steps without its cameras (the planner's path and whatever it runs
+    # after the recording ends), and the cameras are rendered for the recorded steps only.
+    self.render = render
+    if render:
+      maniskill.step_without_sensors(env)
     self.noise, self.rng = noise, rng or np.random.default_rng(0)
     self.steps: list[list] = []
     self.success = self.ended = False
@@ -99,7 +105,8 @@ class Recorder(gym.Wrapper):
   def step(self, action):
     if not self.ended:
       qpos = maniskill._np(self.env.unwrapped.agent.robot.get_qpos()).reshape(-1)
-      self.steps.append([self._obs, self.labeler(np.asarray(action).reshape(-1), qpos)])
+      obs = maniskill.rendered_obs(self.env) if self.render else self._obs
+      self.steps.append([obs, self.labeler(np.asarray(action).reshape(-1), qpos)])
     if self.noise > 0 and not self.ended:  # (the label above is the clean target)
       action = np.array(action, np.float64).reshape(-1)
       action[:_ARM_DOF] += self.rng.normal(0.0, self.noise, _ARM_DOF)
@@ -114,32 +121,50 @@ class Recorder(gym.Wrapper):
 
 def main(argv: list[str]) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  for name in ("task", "obs_mode", "label_mode", "reward_mode", "out", "seeds"):
+  for name in ("tasks", "obs_mode", "label_mode", "reward_mode", "out", "seeds"):
     p.add_argument(f"--{name}", required=True)
   p.add_argument("--image_size", type=int, required=True)
   p.add_argument("--max_episode_steps", type=int, required=True)
   p.add_argument("--noise", type=float, default=0.0)
+  p.add_argument("--state_keys", default="")
+  p.add_argument("--robot", default="")
+  p.add_argument("--render_meshes", default="full")
   a = p.parse_args(argv)
   protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
   sys.stdout = sys.stderr  # The solutions print; only this protocol goes to stdout.
+  state_keys = maniskill.parse_state_keys(a.state_keys)
+  recorders: dict[str, tuple[Recorder, tuple[str, ...]]] = {}
 
-  solve = solutions()[a.task]
-  policy_env = maniskill.make_gym_env(a.task, obs_mode="state", control_mode=a.label_mode,
-                                      image_size=a.image_size, max_episode_steps=1,
-                                      reward_mode=a.reward_mode)
-  space = policy_env.action_space  # Labels are mapped into [-1, 1] over these bounds.
-  labeler = Labeler(a.label_mode, space.low.reshape(-1).astype(np.float64),
-                    space.high.reshape(-1).astype(np.float64))
-  policy_env.close()
-  # The planner steps on past the RL time limit (the recorder stops there).
-  env = Recorder(maniskill.make_gym_env(
-      a.task, obs_mode=a.obs_mode, control_mode=PLANNER_CONTROL_MODE, image_size=a.image_size,
-      max_episode_steps=10 * a.max_episode_steps, reward_mode=a.reward_mode),
-      labeler, a.max_episode_steps, a.noise)
+  def recorder(task: str) -> tuple[Recorder, tuple[str, ...]]:
+    """The task's recording env (built on its first attempt) and its camera names."""
+    if task not in recorders:
+      options = dict(robot=a.robot, render_meshes=a.render_meshes)
+      policy_env = maniskill.make_gym_env(task, obs_mode="state", control_mode=a.label_mode,
+                                          image_size=a.image_size, max_episode_steps=1,
+                                          reward_mode=a.reward_mode, **options)
+      space = policy_env.action_space  # Labels are mapped into [-1, 1] over these bounds.
+      labeler = Labeler(a.label_mode, space.low.reshape(-1).astype(np.float64),
+                        space.high.reshape(-1).astype(np.float64))
+      policy_env.close()
+      # The planner steps on past the RL time limit (the recorder stops there).
+      env = Recorder(maniskill.make_gym_env(
+          task, obs_mode=a.obs_mode, control_mode=PLANNER_CONTROL_MODE,
+          image_size=a.image_size, max_episode_steps=10 * a.max_episode_steps,
+          reward_mode=a.reward_mode, **options), labeler, a.max_episode_steps, a.noise,
+          render=a.obs_mode == "rgb")
+      env.reset(seed=0)
+      raw = maniskill.rendered_obs(env) if env.render else env._obs  # pylint: disable=protected-access
+      recorders[task] = env, maniskill.camera_names(raw, a.obs_mode)
+    return recorders[task]
+
   seeds = [int(s) for s in a.seeds.split(",")]
-  raw, _ = env.reset(seed=seeds[0])
-  cameras = maniskill.camera_names(raw, a.obs_mode)
-  for seed in seeds:
+  tasks = a.tasks.split(",")
+  if len(tasks) != len(seeds):
+    raise SystemExit(f"--tasks holds {len(tasks)} tasks for {len(seeds)} --seeds")
+  for seed, task in zip(seeds, tasks):
+    env, cameras = recorder(task)
+    labeler = env.labeler
+    solve = solutions()[task]
     error, before = "", labeler.clipped
     env.rng = np.random.default_rng(seed)  # (an attempt's noise depends on its seed alone)
     try:
@@ -151,14 +176,15 @@ def main(argv: list[str]) -> None:
     steps = [s for s in env.steps if len(s) == 3]  # (a step that raised has no reward)
     if steps:
       raws, labels, rewards = zip(*steps)
-      obs = maniskill.observation(list(raws), a.obs_mode, cameras, a.task)
+      obs = maniskill.observation(list(raws), a.obs_mode, cameras, task, state_keys)
       np.savez(file, images=obs.images, state=obs.state, actions=np.stack(labels),
                rewards=np.asarray(rewards, np.float32), success=env.success,
                clipped=labeler.clipped - before, error=error)
     else:  # (the solution raised before its first step)
       np.savez(file, success=False, clipped=0, error=error or "no step taken")
     protocol_out.write(json.dumps(dict(seed=seed, file=file)) + "\n")
-  env.close()
+  for env, _ in recorders.values():
+    env.close()
 
 
 if __name__ == "__main__":

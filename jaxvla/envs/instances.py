@@ -29,7 +29,8 @@ class InstanceBatch:
       one env step; ``self.t[i]`` already counts it.
     _map_actions(actions [B, H, A]) -> [B, H, A]: policy actions to the
       simulator's (default: clip to ``[-1, 1]``).
-    _observe(raw [b]) -> Observation ``[b]``: a list of raw observations as a batch.
+    _observe(raw [b], env_ids [b]) -> Observation ``[b]``: raw observations of the
+      instances ``env_ids`` as a batch.
       :meth:`observe` is that of ``self._last`` (each env's latest); a chunk also
       turns the last raw observation of a truncated episode into its ``final_obs``.
     _complete(i, raw) -> raw observation: ``raw`` (instance ``i``'s latest) made whole
@@ -86,7 +87,7 @@ class InstanceBatch:
 
   def observe(self) -> protocol.Observation:
     """Every env's latest observation ``[B]``."""
-    return self._observe(self._last)
+    return self._observe(self._last, list(range(self.num_envs)))
 
   def reset(self, seed: int,
             first_episode: np.ndarray | None = None) -> protocol.Observation:
@@ -118,7 +119,7 @@ class InstanceBatch:
             episode_return=float(self.ep_return[i]), length=int(self.t[i]),
             success=bool(success[i]), truncated=bool(truncated[i])))
         if truncated[i]:  # Converted now: the reset may reuse the simulator's buffers.
-          final_obs.append(self._observe([self._complete(i, self._last[i])]))
+          final_obs.append(self._observe([self._complete(i, self._last[i])], [i]))
         self._episode[i] += 1  # Auto-reset: the env's own next episode.
         self._new_episode(i)
       else:  # The chunk's last observation: the one the policy reads next.

@@ -188,7 +188,8 @@ class LiberoEnv(instances.InstanceBatch):
                            quat2axisangle(obs["robot0_eef_quat"]),
                            np.asarray(obs["robot0_gripper_qpos"])]).astype(np.float32)
 
-  def _observe(self, raw: list) -> protocol.Observation:
+  def _observe(self, raw: list, env_ids: list[int]) -> protocol.Observation:
+    del env_ids  # (one task per batch)
     images = np.stack([np.stack([np.asarray(o[c])[::-1, ::-1] for c in CAMERAS])
                        for o in raw]).astype(np.uint8)  # [b, 2, H, W, 3]
     return protocol.Observation(

@@ -7,8 +7,8 @@ them one chunk at a time, auto-resets finished episodes, and maps observations t
 the common structure: RGB per camera (``obs_mode="rgb"``) or no image
 (``obs_mode="state"``: a 1x1 black placeholder keeps shapes uniform), state =
 the agent's ``qpos`` and ``qvel`` and the task's ``extra`` fields (``state``
-mode: ManiSkill's flat state vector), and a fixed
-instruction per task. Actions in ``[-1, 1]`` are mapped linearly onto the
+mode: ManiSkill's flat state vector), or the fields ``env.state_keys`` names, and a
+fixed instruction per task. Actions in ``[-1, 1]`` are mapped linearly onto the
 controller's action bounds.
 
 With cameras, only the observations the policy reads are rendered: a reset's, a
@@ -23,7 +23,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
-from jaxvla.envs import instances, protocol
+from jaxvla.envs import instances, lowpoly, protocol
 
 # Instructions for the tasks that run offline (no asset download).
 INSTRUCTIONS = {
@@ -46,6 +46,14 @@ CONTROL_MODES = ("pd_joint_delta_pos", "pd_ee_delta_pose", "pd_joint_pos")
 # What a control step inside a chunk observes when the cameras are rendered per chunk:
 # the agent's and the task's state, no sensors (ManiSkill's own obs mode of that name).
 _STEP_OBS_MODE = "state_dict"
+# The state fields ManiSkill's rgb mode gives (the agent's, then the task's ``extra`` ones
+# for the offline tasks): proprioception, the TCP pose and where the task's goal is. The
+# object's pose and the object-to-TCP / object-to-goal vectors are in its state modes
+# only, for the camera to show: a pixel observation must not hold them.
+PIXEL_STATE_FIELDS = ("qpos", "qvel", "tcp_pose", "is_grasped", "goal_pos", "bin_pos")
+# Fields a task may lack, zero-padded to these sizes when ``env.state_keys`` names them,
+# so that several tasks share one state layout (PushCube's rgb mode has no goal_pos).
+PADDED_FIELDS = {"goal_pos": 3, "is_grasped": 1, "bin_pos": 3}
 
 
 def _np(x) -> np.ndarray:
@@ -66,16 +74,19 @@ def simulator_reward_mode(reward_mode: str) -> str:
 
 
 def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int,
-                 max_episode_steps: int, reward_mode: str):
+                 max_episode_steps: int, reward_mode: str, robot: str = "",
+                 render_meshes: str = "full"):
   """One ManiSkill3 CPU env (``num_envs=1``) as every jaxvla user of the task builds it;
-  its reward is ManiSkill's :func:`simulator_reward_mode` of ``reward_mode``.
+  its reward is ManiSkill's :func:`simulator_reward_mode` of ``reward_mode``, its robot
+  ``robot`` ('': the task's default), drawn with ``render_meshes``
+  (:func:`jaxvla.envs.lowpoly.use_panda_meshes`).
 
   Raises:
-    ValueError: naming ``env.task``, ``env.obs_mode``, ``env.control_mode`` or
-      ``env.reward_mode``.
+    ValueError: naming ``env.task``, ``env.obs_mode``, ``env.control_mode``,
+      ``env.reward_mode`` or ``env.render_meshes``.
   """
   if task not in INSTRUCTIONS:
-    raise ValueError(f"env.task={task!r} is not one of the offline ManiSkill3 tasks "
+    raise ValueError(f"config.env.task: {task!r} is not one of the offline ManiSkill3 tasks "
                      f"{sorted(INSTRUCTIONS)}")
   if obs_mode not in OBS_MODES:
     raise ValueError(f"env.obs_mode={obs_mode!r} is not one of {OBS_MODES}")
@@ -84,9 +95,13 @@ def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int
   import gymnasium as gym
   import mani_skill.envs  # noqa: F401  (registers the tasks)
 
+  lowpoly.use_panda_meshes(render_meshes)
+
   kwargs = dict(obs_mode=obs_mode, sim_backend="cpu", num_envs=1, control_mode=control_mode,
                 reward_mode=simulator_reward_mode(reward_mode),
                 max_episode_steps=max_episode_steps)
+  if robot:
+    kwargs["robot_uids"] = robot
   if obs_mode == "rgb":
     kwargs["sensor_configs"] = dict(width=image_size, height=image_size)
   else:
@@ -94,13 +109,87 @@ def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int
   return gym.make(task, **kwargs)
 
 
-def state_vector(obs) -> np.ndarray:
-  """``float32 [S]``: the agent's ``qpos``/``qvel`` and the task's ``extra`` fields of an
-  rgb observation, or the flat state of a ``state`` one."""
+def tasks(task: str) -> tuple[str, ...]:
+  """``env.task``'s tasks: one env id, or several joined by commas (one env pool)."""
+  return tuple(t.strip() for t in task.split(","))
+
+
+def parse_state_keys(state_keys: str) -> tuple[str, ...]:
+  """``env.state_keys`` (comma-separated field names; '' for ManiSkill's own) as a tuple."""
+  return tuple(k.strip() for k in state_keys.split(",") if k.strip())
+
+
+def check_config(env: ml_collections.ConfigDict) -> None:
+  """The ``env`` sub-config's ManiSkill3 rules, before any simulator is built.
+
+  Raises:
+    ValueError: naming ``env.task`` (unknown, repeated, or several tasks without one
+      state layout) or ``env.state_keys`` (a field a camera policy must not see).
+  """
+  names = tasks(env.task)
+  for t in names:
+    if t not in INSTRUCTIONS:
+      raise ValueError(f"config.env.task: {t!r} is not one of the offline ManiSkill3 tasks "
+                       f"{sorted(INSTRUCTIONS)}")
+  if len(set(names)) != len(names):
+    raise ValueError(f"config.env.task={env.task!r} names a task twice")
+  keys = parse_state_keys(env.get("state_keys", ""))
+  if len(names) > 1 and (env.obs_mode != "rgb" or not keys):
+    raise ValueError(f"config.env.task={env.task!r}: several tasks share one policy only with "
+                     f"env.obs_mode='rgb' and env.state_keys naming one state layout")
+  if env.obs_mode == "rgb":
+    leaked = [k for k in keys if k not in PIXEL_STATE_FIELDS]
+    if leaked:
+      raise ValueError(f"config.env.state_keys={env.state_keys!r}: {leaked} is not a field of "
+                       f"ManiSkill's rgb observation {PIXEL_STATE_FIELDS}; a pixel policy "
+                       f"must find the objects in its cameras, not in its state")
+
+
+def step_without_sensors(env) -> None:
+  """Makes an rgb env's ``reset`` and ``step`` observe without rendering its cameras
+  (ManiSkill's ``state_dict`` observations); :func:`rendered_obs` renders on demand."""
+  env.unwrapped._obs_mode = _STEP_OBS_MODE  # pylint: disable=protected-access
+
+
+def rendered_obs(env) -> dict:
+  """The rgb observation of a :func:`step_without_sensors` env's current state: what its
+  ``step`` would have returned with the cameras on (the same images, tested)."""
+  env = env.unwrapped
+  # ManiSkill picks what get_obs returns by this private field (its constructor's
+  # obs_mode); its public get_obs renders the sensors in "rgb" mode.
+  env._obs_mode = "rgb"  # pylint: disable=protected-access
+  try:
+    return env.get_obs()
+  finally:
+    env._obs_mode = _STEP_OBS_MODE  # pylint: disable=protected-access
+
+
+def state_vector(obs, keys: tuple[str, ...] = ()) -> np.ndarray:
+  """``float32 [S]``: the flat state of a ``state`` observation, or of an rgb one the
+  fields ``keys`` names in that order (missing :data:`PADDED_FIELDS` as zeros), by
+  default the agent's ``qpos``/``qvel`` and the task's ``extra`` fields, sorted.
+
+  Raises:
+    ValueError: an rgb observation holds a field outside :data:`PIXEL_STATE_FIELDS`
+      that would go into the state, or lacks a named field that cannot be padded.
+  """
   if not isinstance(obs, dict):  # obs_mode="state": already the flat state [1, D]
     return _np(obs).reshape(-1).astype(np.float32)
-  parts = [_np(obs["agent"][k]).reshape(-1) for k in sorted(obs["agent"])]
-  parts += [_np(obs["extra"][k]).reshape(-1) for k in sorted(obs["extra"])]
+  fields = {**obs["agent"], **obs["extra"]}
+  if not keys:
+    keys = tuple(sorted(obs["agent"])) + tuple(sorted(obs["extra"]))
+  parts = []
+  for k in keys:
+    if k not in PIXEL_STATE_FIELDS:
+      raise ValueError(f"the rgb observation's state field {k!r} is not one of "
+                       f"{PIXEL_STATE_FIELDS}; name the fields with env.state_keys")
+    if k in fields:
+      parts.append(_np(fields[k]).reshape(-1))
+    elif k in PADDED_FIELDS:
+      parts.append(np.zeros(PADDED_FIELDS[k]))
+    else:
+      raise ValueError(f"config.env.state_keys names {k!r}, which this task's rgb observation "
+                       f"lacks (it has {sorted(fields)})")
   return np.concatenate(parts).astype(np.float32)
 
 
@@ -109,23 +198,28 @@ def camera_names(obs, obs_mode: str) -> tuple[str, ...]:
   return tuple(sorted(obs["sensor_data"])) if obs_mode == "rgb" else ("none",)
 
 
-def observation(raw: list, obs_mode: str, cameras: tuple[str, ...],
-                task: str) -> protocol.Observation:
-  """A list of raw observations ``[b]`` as jaxvla's :class:`protocol.Observation` ``[b]``."""
+def observation(raw: list, obs_mode: str, cameras: tuple[str, ...], task: str | list[str],
+                state_keys: tuple[str, ...] = ()) -> protocol.Observation:
+  """A list of raw observations ``[b]`` of ``task`` (one, or one per observation) as
+  jaxvla's :class:`protocol.Observation` ``[b]`` (the state of :func:`state_vector`)."""
+  row_tasks = [task] * len(raw) if isinstance(task, str) else list(task)
   if obs_mode == "rgb":
     images = np.stack([np.stack([_np(o["sensor_data"][c]["rgb"])[0] for c in cameras])
                        for o in raw]).astype(np.uint8)
   else:
     images = np.zeros((len(raw), 1, 1, 1, 3), np.uint8)
-  return protocol.Observation(images=images, state=np.stack([state_vector(o) for o in raw]),
-                              instruction=np.array([INSTRUCTIONS[task]] * len(raw), dtype=object))
+  return protocol.Observation(images=images,
+                              state=np.stack([state_vector(o, state_keys) for o in raw]),
+                              instruction=np.array([INSTRUCTIONS[t] for t in row_tasks], dtype=object))
 
 
 class ManiSkillCPU(instances.InstanceBatch):
   """``count`` ManiSkill3 CPU envs (implements :class:`protocol.VecEnv`).
 
   Args:
-    task: a ManiSkill3 env id, e.g. ``"PickCube-v1"``.
+    task: a ManiSkill3 env id, e.g. ``"PickCube-v1"``, or several joined by commas: one
+      policy for several tasks. Task ``g % n`` of the ``n`` runs in GRPO group ``g``
+      (with ``group_size`` 1, in env ``g``); the instruction tells them apart.
     count: number of instances in this process.
     obs_mode: ``"rgb"`` or ``"state"``.
     control_mode: one of :data:`CONTROL_MODES` (``"pd_joint_pos"``: absolute joint
@@ -147,27 +241,37 @@ class ManiSkillCPU(instances.InstanceBatch):
     render_every_step: render the cameras at every control step, as ManiSkill's own
       ``step`` does (``rgb`` only; for comparisons: the default renders what the policy
       reads, the same images).
+    state_keys: ``rgb``: the state's fields in order (:func:`state_vector`; empty:
+      ManiSkill's own). Several tasks need one layout.
+    robot: ManiSkill's ``robot_uids`` ('': each task's default; StackCube's is
+      ``panda_wristcam``, a Panda with a second, wrist camera).
+    render_meshes: ``"lowpoly"`` or ``"full"`` (:mod:`jaxvla.envs.lowpoly`).
   """
 
   def __init__(self, task: str, count: int, *, obs_mode: str = "rgb",
                control_mode: str = "pd_joint_delta_pos", image_size: int = 64,
                max_episode_steps: int = 50, reward_mode: str = "sparse", seed: int = 0,
                group_size: int = 1, first_env_id: int = 0, total_envs: int | None = None,
-               render_every_step: bool = False):
+               render_every_step: bool = False, state_keys: tuple[str, ...] = (),
+               robot: str = "", render_meshes: str = "full"):
     self.num_envs = count
     self._init_groups(group_size, first_env_id, total_envs)
+    names = tasks(task)
     self.task_name = task
+    self.env_tasks = [names[g % len(names)] for g in self._groups]  # Each instance's task.
     self.obs_mode = obs_mode
+    self._state_keys = tuple(state_keys)
     self._shaped = reward_mode == "sparse_shaped"
     self._phi = np.zeros(count)  # sparse_shaped: the potential of each env's state
-    self._envs = [make_gym_env(task, obs_mode=obs_mode, control_mode=control_mode,
+    self._envs = [make_gym_env(t, obs_mode=obs_mode, control_mode=control_mode,
                                image_size=image_size, max_episode_steps=max_episode_steps,
-                               reward_mode=reward_mode) for _ in range(count)]
+                               reward_mode=reward_mode, robot=robot,
+                               render_meshes=render_meshes) for t in self.env_tasks]
     # Steps observe without sensors; _complete renders the observations the policy reads.
     self._render_in_complete = obs_mode == "rgb" and not render_every_step
     if self._render_in_complete:
       for env in self._envs:
-        env.unwrapped._obs_mode = _STEP_OBS_MODE  # pylint: disable=protected-access
+        step_without_sensors(env)
     space = self._envs[0].action_space
     self._low, self._high = space.low.reshape(-1), space.high.reshape(-1)
     self._seed = seed
@@ -175,7 +279,7 @@ class ManiSkillCPU(instances.InstanceBatch):
     first = self._last[0]
     shape = (image_size, image_size, 3) if obs_mode == "rgb" else (1, 1, 3)
     self.spec = protocol.EnvSpec(camera_names=camera_names(first, obs_mode), image_shape=shape,
-                                 state_dim=state_vector(first).shape[0],
+                                 state_dim=state_vector(first, self._state_keys).shape[0],
                                  action_dim=self._low.shape[0],
                                  max_episode_steps=max_episode_steps)
 
@@ -188,14 +292,7 @@ class ManiSkillCPU(instances.InstanceBatch):
     """The observation of instance ``i``'s current state with its cameras rendered."""
     if not self._render_in_complete:
       return raw
-    env = self._envs[i].unwrapped
-    # ManiSkill picks what get_obs returns by this private field (its constructor's
-    # obs_mode); its public get_obs renders the sensors in "rgb" mode.
-    env._obs_mode = "rgb"  # pylint: disable=protected-access
-    try:
-      return env.get_obs()
-    finally:
-      env._obs_mode = _STEP_OBS_MODE  # pylint: disable=protected-access
+    return rendered_obs(self._envs[i])
 
   def _map_actions(self, actions: np.ndarray) -> np.ndarray:
     return self._low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (self._high - self._low)
@@ -208,8 +305,9 @@ class ManiSkillCPU(instances.InstanceBatch):
       reward, self._phi[i] = float(success) + reward - self._phi[i], reward
     return obs, reward, bool(first(term)), bool(first(trunc)), success
 
-  def _observe(self, raw: list) -> protocol.Observation:
-    return observation(raw, self.obs_mode, self.spec.camera_names, self.task_name)
+  def _observe(self, raw: list, env_ids: list[int]) -> protocol.Observation:
+    return observation(raw, self.obs_mode, self.spec.camera_names,
+                       [self.env_tasks[i] for i in env_ids], self._state_keys)
 
 
 def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
@@ -225,4 +323,11 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
                       reward_mode=config.reward_mode, seed=seed,
                       group_size=config.group_size if group_size is None
                       else group_size, first_env_id=first_env_id, total_envs=total_envs,
-                      render_every_step=config.get("render_every_step", False))
+                      render_every_step=config.get("render_every_step", False),
+                      state_keys=parse_state_keys(config.get("state_keys", "")),
+                      **gym_options(config))
+
+
+def gym_options(config: ml_collections.ConfigDict) -> dict:
+  """The ``env`` sub-config's robot and render meshes, as :func:`make_gym_env` takes them."""
+  return dict(robot=config.get("robot", ""), render_meshes=config.get("render_meshes", "full"))

@@ -152,3 +152,68 @@ def test_sparse_shaped_reward_is_success_plus_the_dense_potentials_change():
   finally:
     shaped.close()
     dense.close()
+
+
+def test_lowpoly_meshes_keep_the_physics_and_the_picture():
+  """The decimated Panda (env.render_meshes='lowpoly'): the same states, rewards and episode
+  ends as ManiSkill's own meshes under the same actions (only the looks change), and
+  camera images that differ from the full meshes' by little (mean abs < 2 of 255)."""
+  kw = dict(obs_mode="rgb", image_size=64, max_episode_steps=20, reward_mode="sparse_shaped")
+  low = maniskill_env.ManiSkillCPU("PickCube-v1", 1, render_meshes="lowpoly", **kw)
+  full = maniskill_env.ManiSkillCPU("PickCube-v1", 1, render_meshes="full", **kw)
+  try:
+    a, b = low.reset(4), full.reset(4)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+      np.testing.assert_array_equal(a.state, b.state)
+      diff = np.abs(a.images.astype(np.int16) - b.images.astype(np.int16))
+      assert diff.mean() < 2.0 and a.images.std() > 1.0, diff.mean()
+      actions = rng.uniform(-1, 1, (1, 5, low.spec.action_dim))
+      ra, rb = low.step_chunk(actions), full.step_chunk(actions)
+      np.testing.assert_array_equal(ra.reward, rb.reward)
+      a, b = ra.obs, rb.obs
+  finally:
+    low.close()
+    full.close()
+
+
+def test_several_tasks_share_one_pool_told_apart_by_instruction():
+  """configs/maniskill.py:vision_multitask's env: envs take the tasks in turn, each with its
+  instruction; one camera and one state layout (ManiSkill's rgb fields, a missing goal
+  zero-padded), and no object pose anywhere in the state."""
+  c = maniskill_config.get_config("vision_multitask")
+  env = make_vec_env(c.env, 3, seed=0, num_workers=1, step_timeout_s=120)
+  try:
+    obs = env.reset(0)
+    assert env.spec.camera_names == ("base_camera",) and obs.images.shape == (3, 1, 64, 64, 3)
+    assert obs.instruction.tolist() == [maniskill_env.INSTRUCTIONS[t] for t in
+                                        ("PushCube-v1", "PickCube-v1", "StackCube-v1")]
+    assert env.spec.state_dim == 9 + 9 + 7 + 1 + 3  # qpos, qvel, tcp_pose, is_grasped, goal_pos
+    np.testing.assert_array_equal(obs.state[[0, 2], -4:], 0.0)  # Push, Stack: no grasp, no goal
+    assert np.abs(obs.state[1, -3:]).max() > 0  # PickCube's goal position
+    r = env.step_chunk(np.zeros((3, 5, 8)))
+    assert r.obs.instruction.tolist() == obs.instruction.tolist()
+  finally:
+    env.close()
+
+
+def test_planner_records_the_cameras_the_rl_env_shows(tmp_path):
+  """Camera demonstrations: the planner's first recorded frame of a seed is the image the
+  RL env (per-chunk rendering, lowpoly meshes) shows at that seed's reset, and its state
+  is ManiSkill's rgb-mode state; TFDS reads the dataset back without jaxvla."""
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  from jaxvla.data import collect  # pylint: disable=import-outside-toplevel
+  c = maniskill_config.get_config("vision_rl_short")
+  out = str(tmp_path / "demos")
+  summary = collect.collect(c, out, 1, num_envs=1, success_only=True)
+  assert summary["episodes"] == 1
+  steps = list(tfds.builder_from_directory(out).as_data_source()["train"][0]["steps"])
+  first = steps[0]["observation"]
+  env = maniskill_env.make(c.env, 1, c.seed, group_size=1)
+  try:
+    obs = env.reset(c.seed)
+    np.testing.assert_array_equal(first["base_camera"], obs.images[0, 0])
+    np.testing.assert_allclose(first["state"], obs.state[0], atol=1e-6)
+  finally:
+    env.close()
+  assert all(s["observation"]["base_camera"].std() > 1.0 for s in steps)  # every frame rendered
