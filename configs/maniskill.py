@@ -96,6 +96,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # rgb: the Panda drawn with decimated visual meshes ('lowpoly': 5% of the triangles, the
   # same physics, ~7x cheaper images on a CPU; envs/lowpoly.py) or ManiSkill's ('full').
   c.env.render_meshes = "lowpoly"
+  # Every env's instruction ('': each task's own); e.g. the swapped-instruction control.
+  c.env.instruction = ""
   # state: the 1x1 placeholder image -> one 8 px patch.
   c.model.image_size = 0 if c.env.obs_mode == "rgb" else 8
   if c.env.obs_mode == "state":

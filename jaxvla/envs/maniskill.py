@@ -246,6 +246,8 @@ class ManiSkillCPU(instances.InstanceBatch):
     robot: ManiSkill's ``robot_uids`` ('': each task's default; StackCube's is
       ``panda_wristcam``, a Panda with a second, wrist camera).
     render_meshes: ``"lowpoly"`` or ``"full"`` (:mod:`jaxvla.envs.lowpoly`).
+    instruction: every env's instruction ('': each task's own, :data:`INSTRUCTIONS`); a
+      control for a policy of several tasks: a task's episodes under another's words.
   """
 
   def __init__(self, task: str, count: int, *, obs_mode: str = "rgb",
@@ -253,7 +255,7 @@ class ManiSkillCPU(instances.InstanceBatch):
                max_episode_steps: int = 50, reward_mode: str = "sparse", seed: int = 0,
                group_size: int = 1, first_env_id: int = 0, total_envs: int | None = None,
                render_every_step: bool = False, state_keys: tuple[str, ...] = (),
-               robot: str = "", render_meshes: str = "full"):
+               robot: str = "", render_meshes: str = "full", instruction: str = ""):
     self.num_envs = count
     self._init_groups(group_size, first_env_id, total_envs)
     names = tasks(task)
@@ -261,6 +263,7 @@ class ManiSkillCPU(instances.InstanceBatch):
     self.env_tasks = [names[g % len(names)] for g in self._groups]  # Each instance's task.
     self.obs_mode = obs_mode
     self._state_keys = tuple(state_keys)
+    self._instruction = instruction
     self._shaped = reward_mode == "sparse_shaped"
     self._phi = np.zeros(count)  # sparse_shaped: the potential of each env's state
     self._envs = [make_gym_env(t, obs_mode=obs_mode, control_mode=control_mode,
@@ -306,8 +309,11 @@ class ManiSkillCPU(instances.InstanceBatch):
     return obs, reward, bool(first(term)), bool(first(trunc)), success
 
   def _observe(self, raw: list, env_ids: list[int]) -> protocol.Observation:
-    return observation(raw, self.obs_mode, self.spec.camera_names,
-                       [self.env_tasks[i] for i in env_ids], self._state_keys)
+    obs = observation(raw, self.obs_mode, self.spec.camera_names,
+                      [self.env_tasks[i] for i in env_ids], self._state_keys)
+    if self._instruction:
+      obs.instruction[:] = self._instruction
+    return obs
 
 
 def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
@@ -325,7 +331,7 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
                       else group_size, first_env_id=first_env_id, total_envs=total_envs,
                       render_every_step=config.get("render_every_step", False),
                       state_keys=parse_state_keys(config.get("state_keys", "")),
-                      **gym_options(config))
+                      instruction=config.get("instruction", ""), **gym_options(config))
 
 
 def gym_options(config: ml_collections.ConfigDict) -> dict:

@@ -195,6 +195,13 @@ def test_several_tasks_share_one_pool_told_apart_by_instruction():
     assert r.obs.instruction.tolist() == obs.instruction.tolist()
   finally:
     env.close()
+  c.env.task, c.env.instruction = "PushCube-v1", maniskill_env.INSTRUCTIONS["StackCube-v1"]
+  swapped = maniskill_env.make(c.env, 1, 0)  # The swapped-instruction control's env.
+  try:
+    assert swapped.reset(0).instruction.tolist() == [c.env.instruction]
+    np.testing.assert_array_equal(swapped.observe().images[0], obs.images[0])  # PushCube's scene
+  finally:
+    swapped.close()
 
 
 def test_planner_records_the_cameras_the_rl_env_shows(tmp_path):
