@@ -235,6 +235,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.log = ml_collections.ConfigDict()
   c.log.progress = True  # Show a progress bar on stderr.
+  c.log.progress_every_s = 30.0  # Seconds between a phase's progress lines in the log (0: none).
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_iters = 10  # Save the train state every N RL iterations (and at the end).

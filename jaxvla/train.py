@@ -266,6 +266,8 @@ def warm_start(config, s: Setup, params, rng
   state = s.learner.shard_state(learner_lib.init_state(params, s.learner.bc_tx, rng))
   guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "BC step")
   losses, pending = [], []
+  phase = metrics_lib.PhaseLog("warm start (BC)", config.bc.num_steps,
+                               config.log.progress_every_s)
   for i in range(config.bc.num_steps):
     batch, actions, mask = next(batches)
     state, metrics = s.learner.bc_step(state, batch, actions, mask)
@@ -276,6 +278,7 @@ def warm_start(config, s: Setup, params, rng
         guard.check(float(m["nonfinite"]), step)  # (steps numbered from 1, like updates)
         losses.append(float(m["loss"]))
       pending = []
+      phase.tick(i + 1, loss=losses[-1])
   batches.close()
   losses = np.asarray(losses)
   table = reader.table

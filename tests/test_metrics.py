@@ -82,3 +82,21 @@ def test_cut_torn_reads_back_past_its_block_to_the_last_newline(tmp_path):
   assert jsonl.cut_torn(str(path), block=8) == 0
   path.write_bytes(b"y" * 20)  # No newline at all: nothing is a record.
   assert jsonl.cut_torn(str(path), block=8) == 20 and path.read_bytes() == b""
+
+
+def test_phase_log_writes_a_line_at_its_pace_and_at_the_end(caplog):
+  """metrics.PhaseLog: one line per ``every_s`` of (fake) time, and the last step's, each
+  with the step, total, fields, rate and time left."""
+  now = [0.0]
+  phase = metrics.PhaseLog("warm start (BC)", 100, 30.0, clock=lambda: now[0])
+  written = []
+  with caplog.at_level(logging.INFO, logger="jaxvla.metrics"):
+    for step in range(1, 101):
+      now[0] = step * 1.0  # one step per second
+      if phase.tick(step, loss=0.5):
+        written.append(step)
+  assert written == [30, 60, 90, 100]
+  lines = [r.getMessage() for r in caplog.records]
+  assert lines[0] == "warm start (BC): step 30/100 (30%), loss 0.5, 1 steps/s, ~70 s left"
+  assert lines[-1].startswith("warm start (BC): step 100/100 (100%)")
+  assert not metrics.PhaseLog("x", 10, 0.0).tick(10)  # 0: no lines

@@ -28,7 +28,9 @@ from jaxvla.envs import make_vec_env
 
 _ADAPTERS = flags.DEFINE_list("adapters", ["builtin"],
                               "Adapters: builtin, maniskill_state, maniskill_rgb "
-                              "(cameras per chunk), maniskill_rgb_every_step, libero.")
+                              "(cameras per chunk), maniskill_rgb_every_step, libero; a "
+                              "maniskill_rgb* one with the suffix _full draws ManiSkill's own "
+                              "Panda meshes instead of the config's lowpoly ones.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 0, "maniskill_rgb*: camera side (0: the config's).")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2", "4", "8"], "Worker counts to measure.")
 _ENVS_PER_WORKER = flags.DEFINE_integer("envs_per_worker", 2, "Envs owned by each worker.")
@@ -43,6 +45,8 @@ _LATENCY_SIGMA = flags.DEFINE_float("latency_sigma", 1.0, "builtin: log-normal s
 
 def env_config(adapter: str) -> ml_collections.ConfigDict:
   """The ``env`` sub-config of ``adapter`` (from the project's configs)."""
+  full = adapter.startswith("maniskill_rgb") and adapter.endswith("_full")
+  adapter = adapter[:-len("_full")] if full else adapter
   config_file = {"builtin": "default", "maniskill_state": "maniskill",
                  "maniskill_rgb": "maniskill", "maniskill_rgb_every_step": "maniskill",
                  "libero": "libero"}.get(adapter)
@@ -59,6 +63,8 @@ def env_config(adapter: str) -> ml_collections.ConfigDict:
     c = config_files.load_config(path, "").env
     c.render_every_step = adapter == "maniskill_rgb_every_step"
     c.image_size = _IMAGE_SIZE.value or c.image_size
+    if full:
+      c.render_meshes = "full"
     return c
   return config_files.load_config(path).env
 
