@@ -186,6 +186,9 @@ def _set_vision(c: ml_collections.ConfigDict, vision: str) -> None:
     c.env.task = MULTITASK
     c.env.state_keys = MULTITASK_STATE
     c.env.robot = "panda"  # One robot and camera for all three (StackCube's own adds a wrist one).
+  if vision == "vision_rl_short":
+    # From pixels 20 demonstrations gave 0.08 SFT success (state: 0.43).
+    c.bc.num_episodes = 60
 
 
 def _set_method(c: ml_collections.ConfigDict, method: str) -> None:
