@@ -19,8 +19,17 @@ Variants:
           piRL takes the mean), the whole-flow method whose gain varies least over
           seeds (docs/results/maniskill.md). ``flow_rl_short`` runs 160k RL env steps,
           about 8 minutes on 2 cores; it is the test suite's ManiSkill3 learning run.
+  vision_rl, vision_rl_short  ``sft_rl`` / ``sft_rl_short`` from the camera: 64 px RGB
+          (rendered once per chunk, the Panda drawn with decimated meshes), the
+          demonstrations' images, SFT of the tiny pi0 with its vision tower, then RL.
+          The state is ManiSkill's rgb-mode one (joint positions and velocities, the TCP
+          pose, PickCube's goal and grasp flag): never the cube's pose, which the policy
+          must find in the image (a config check refuses a state that holds it).
+  vision_multitask  PushCube-v1, PickCube-v1 and StackCube-v1 in one env pool and one
+          policy: the same robot and camera, one state layout (a missing goal padded
+          with zeros); only the instruction and the pixels tell the tasks apart.
 
-The RL method of ``sft_rl`` / ``sft_rl_short`` (``VARIANT,METHOD``, e.g.
+The RL method of ``sft_rl`` / ``sft_rl_short`` and the vision variants (``VARIANT,METHOD``, e.g.
 ``sft_rl_short,pirl_sde``; docs/results/maniskill.md, "Methods"), every one from the same SFT:
   residual    a Gaussian residual head over the frozen flow (the default).
   latent      DSRL: a head that draws the frozen flow's initial noise.
@@ -98,6 +107,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env.render_meshes = "lowpoly"
   # Every env's instruction ('': each task's own); e.g. the swapped-instruction control.
   c.env.instruction = ""
+  # rgb: the critic alone also reads ManiSkill's simulation state (object poses included,
+  # 70 values for the cube tasks), zero-padded to this size (0: none). The policy never does.
+  c.env.critic_state_dim = 0
   # state: the 1x1 placeholder image -> one 8 px patch.
   c.model.image_size = 0 if c.env.obs_mode == "rgb" else 8
   if c.env.obs_mode == "state":
@@ -181,6 +193,10 @@ def _set_vision(c: ml_collections.ConfigDict, vision: str) -> None:
   """The camera recipe's settings over its state recipe (the module docstring)."""
   c.env.obs_mode = "rgb"
   c.model.image_size = 0  # The ViT sees the camera's 64 px: 8 x 8 patches of 8 px.
+  # An asymmetric critic: the value head also reads the simulation state (the policy only
+  # pixels and proprioception). From pixels alone its explained variance stayed near 0 and
+  # RL gained nothing (docs/results/maniskill.md, "From pixels").
+  c.env.critic_state_dim = 70
   # (value_source stays 'expert': pi0's state token, which attends to the image tokens.)
   if vision == "vision_multitask":
     c.env.task = MULTITASK

@@ -86,6 +86,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   lora.check_config(c.model)
   if c.env.name == "maniskill":
     maniskill.check_config(c.env)
+  _require(not c.env.get("critic_state_dim", 0) or c.model.name in ("pi0", "pi05"),
+           "env.critic_state_dim", f"the critic state is read by the flow VLAs' value head "
+           f"(pi0, pi05), not model.name={c.model.name!r}'s")
   protocol.group_layout(c.env.group_size, c.num_envs)
   sharding.check_mesh_config(c.mesh)
   _validate_pipeline(c)

@@ -54,6 +54,8 @@ PIXEL_STATE_FIELDS = ("qpos", "qvel", "tcp_pose", "is_grasped", "goal_pos", "bin
 # Fields a task may lack, zero-padded to these sizes when ``env.state_keys`` names them,
 # so that several tasks share one state layout (PushCube's rgb mode has no goal_pos).
 PADDED_FIELDS = {"goal_pos": 3, "is_grasped": 1, "bin_pos": 3}
+# Where a completed raw observation carries its critic state (privileged_state).
+_CRITIC_KEY = "jaxvla_critic_state"
 
 
 def _np(x) -> np.ndarray:
@@ -137,6 +139,10 @@ def check_config(env: ml_collections.ConfigDict) -> None:
   if len(names) > 1 and (env.obs_mode != "rgb" or not keys):
     raise ValueError(f"config.env.task={env.task!r}: several tasks share one policy only with "
                      f"env.obs_mode='rgb' and env.state_keys naming one state layout")
+  if env.get("critic_state_dim", 0) and env.obs_mode != "rgb":
+    raise ValueError(f"config.env.critic_state_dim={env.critic_state_dim}: a critic state is "
+                     f"for camera policies (env.obs_mode='rgb'); a state policy's critic "
+                     f"already sees the whole state")
   if env.obs_mode == "rgb":
     leaked = [k for k in keys if k not in PIXEL_STATE_FIELDS]
     if leaked:
@@ -162,6 +168,22 @@ def rendered_obs(env) -> dict:
     return env.get_obs()
   finally:
     env._obs_mode = _STEP_OBS_MODE  # pylint: disable=protected-access
+
+
+def privileged_state(env, size: int) -> np.ndarray:
+  """``float32 [size]``: ManiSkill's simulation state of the env (``get_state``: every
+  actor's pose and velocities, the robot's root pose, joint positions and velocities;
+  70 values for PushCube, PickCube and StackCube), zero-padded to ``size``. For the
+  critic alone (``Observation.critic_state``).
+
+  Raises:
+    ValueError: the task's state is longer than ``size`` (``env.critic_state_dim``).
+  """
+  flat = _np(env.unwrapped.get_state()).reshape(-1).astype(np.float32)
+  if flat.size > size:
+    raise ValueError(f"config.env.critic_state_dim={size}: {type(env.unwrapped).__name__}'s "
+                     f"simulation state has {flat.size} values")
+  return np.pad(flat, (0, size - flat.size))
 
 
 def state_vector(obs, keys: tuple[str, ...] = ()) -> np.ndarray:
@@ -208,7 +230,9 @@ def observation(raw: list, obs_mode: str, cameras: tuple[str, ...], task: str | 
                        for o in raw]).astype(np.uint8)
   else:
     images = np.zeros((len(raw), 1, 1, 1, 3), np.uint8)
-  return protocol.Observation(images=images,
+  critic = (np.stack([o[_CRITIC_KEY] for o in raw]) if raw and isinstance(raw[0], dict)
+            and _CRITIC_KEY in raw[0] else None)
+  return protocol.Observation(images=images, critic_state=critic,
                               state=np.stack([state_vector(o, state_keys) for o in raw]),
                               instruction=np.array([INSTRUCTIONS[t] for t in row_tasks], dtype=object))
 
@@ -248,6 +272,8 @@ class ManiSkillCPU(instances.InstanceBatch):
     render_meshes: ``"lowpoly"`` or ``"full"`` (:mod:`jaxvla.envs.lowpoly`).
     instruction: every env's instruction ('': each task's own, :data:`INSTRUCTIONS`); a
       control for a policy of several tasks: a task's episodes under another's words.
+    critic_state_dim: ``rgb``: size of each observation's ``critic_state``, ManiSkill's
+      full state (:func:`privileged_state`) for the critic alone (0: none).
   """
 
   def __init__(self, task: str, count: int, *, obs_mode: str = "rgb",
@@ -255,7 +281,8 @@ class ManiSkillCPU(instances.InstanceBatch):
                max_episode_steps: int = 50, reward_mode: str = "sparse", seed: int = 0,
                group_size: int = 1, first_env_id: int = 0, total_envs: int | None = None,
                render_every_step: bool = False, state_keys: tuple[str, ...] = (),
-               robot: str = "", render_meshes: str = "full", instruction: str = ""):
+               robot: str = "", render_meshes: str = "full", instruction: str = "",
+               critic_state_dim: int = 0):
     self.num_envs = count
     self._init_groups(group_size, first_env_id, total_envs)
     names = tasks(task)
@@ -264,6 +291,7 @@ class ManiSkillCPU(instances.InstanceBatch):
     self.obs_mode = obs_mode
     self._state_keys = tuple(state_keys)
     self._instruction = instruction
+    self._critic_dim = critic_state_dim
     self._shaped = reward_mode == "sparse_shaped"
     self._phi = np.zeros(count)  # sparse_shaped: the potential of each env's state
     self._envs = [make_gym_env(t, obs_mode=obs_mode, control_mode=control_mode,
@@ -284,7 +312,8 @@ class ManiSkillCPU(instances.InstanceBatch):
     self.spec = protocol.EnvSpec(camera_names=camera_names(first, obs_mode), image_shape=shape,
                                  state_dim=state_vector(first, self._state_keys).shape[0],
                                  action_dim=self._low.shape[0],
-                                 max_episode_steps=max_episode_steps)
+                                 max_episode_steps=max_episode_steps,
+                                 critic_state_dim=critic_state_dim)
 
   def _reset_one(self, i: int) -> dict:
     obs, _ = self._envs[i].reset(seed=self.episode_index(i))
@@ -292,10 +321,13 @@ class ManiSkillCPU(instances.InstanceBatch):
     return obs
 
   def _complete(self, i: int, raw):
-    """The observation of instance ``i``'s current state with its cameras rendered."""
-    if not self._render_in_complete:
-      return raw
-    return rendered_obs(self._envs[i])
+    """The observation of instance ``i``'s current state with its cameras rendered (and
+    its critic state)."""
+    if self._render_in_complete:
+      raw = rendered_obs(self._envs[i])
+    if self._critic_dim:
+      raw = {**raw, _CRITIC_KEY: privileged_state(self._envs[i], self._critic_dim)}
+    return raw
 
   def _map_actions(self, actions: np.ndarray) -> np.ndarray:
     return self._low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (self._high - self._low)
@@ -331,7 +363,8 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
                       else group_size, first_env_id=first_env_id, total_envs=total_envs,
                       render_every_step=config.get("render_every_step", False),
                       state_keys=parse_state_keys(config.get("state_keys", "")),
-                      instruction=config.get("instruction", ""), **gym_options(config))
+                      instruction=config.get("instruction", ""),
+                      critic_state_dim=config.get("critic_state_dim", 0), **gym_options(config))
 
 
 def gym_options(config: ml_collections.ConfigDict) -> dict:

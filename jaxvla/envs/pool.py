@@ -459,7 +459,8 @@ class EnvPool:
     self._hang_floor_s = hang_floor_s
     self._ctx = mp.get_context(start_method)
     self._obs_layout, self._shms = worker.SharedObs.create(
-        num_envs, (len(spec.camera_names), *spec.image_shape), spec.state_dim)
+        num_envs, (len(spec.camera_names), *spec.image_shape), spec.state_dim,
+        spec.critic_state_dim)
     self._workers = [_Worker(index=w, first_env_id=w * envs_per_worker, count=envs_per_worker)
                      for w in range(num_envs // envs_per_worker)]
     # Kills workers and unlinks shared memory even if close() is never called.
@@ -675,8 +676,7 @@ class EnvPool:
       self._reset_seed = None
       self._raise_worker_error(*errors[0], restart=True)
     self._book.finish_reset()
-    return protocol.Observation(self._images.copy(), self._state.copy(),
-                                self._book.instruction.copy())
+    return self._observation(np.arange(self.num_envs))
 
   def _reset_workers(self) -> tuple[list[_Worker], list[tuple[_Worker, worker.Reply]]]:
     """Resets every worker; returns those lost and the errors the others reported."""
@@ -776,8 +776,14 @@ class EnvPool:
         break
       self._poll(wait_s)
     ids = self._book.earliest_ready(b_max)
-    obs = protocol.Observation(self._images[ids], self._state[ids], self._book.instruction[ids])
+    obs = self._observation(ids)
     return np.array(ids, np.int64), _chunk_step(obs, self._book.take(ids), self.spec)
+
+  def _observation(self, ids) -> protocol.Observation:
+    """The observations of envs ``ids`` (copies of their shared-memory rows)."""
+    rows, s = self._state[ids], self.spec.state_dim
+    return protocol.Observation(self._images[ids], rows[:, :s].copy(),
+                                self._book.instruction[ids].copy(), critic_state=rows[:, s:].copy())
 
   def recv_ids(self, env_ids: np.ndarray) -> tuple[np.ndarray, protocol.ChunkStep]:
     """``(env_ids, ChunkStep)`` of exactly ``env_ids`` ``[b]``, in that order, once each
@@ -795,7 +801,7 @@ class EnvPool:
     self._poll(0.0)
     while any(self._book.state[i] is not EnvState.READY for i in ids):
       self._poll(None)
-    obs = protocol.Observation(self._images[ids], self._state[ids], self._book.instruction[ids])
+    obs = self._observation(ids)
     return np.array(ids, np.int64), _chunk_step(obs, self._book.take(ids), self.spec)
 
   def _recv_wait_s(self, t_max_s: float) -> float | None:

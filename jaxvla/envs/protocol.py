@@ -43,12 +43,14 @@ class EnvSpec:
     state_dim: size of the proprioceptive state vector.
     action_dim: size of one action; actions are expected in ``[-1, 1]``.
     max_episode_steps: time limit in env steps (episodes are truncated there).
+    critic_state_dim: size of ``Observation.critic_state`` (0: none).
   """
   camera_names: tuple[str, ...]
   image_shape: tuple[int, int, int]
   state_dim: int
   action_dim: int
   max_episode_steps: int
+  critic_state_dim: int = 0
 
 
 @dataclasses.dataclass
@@ -64,13 +66,19 @@ class Observation:
       of the policy's attention and position numbering, as openpi masks one (its
       LIBERO setup masks pi0's right-wrist camera). ``None`` (the default) is read
       as every camera valid, which is what every simulator adapter reports.
+    critic_state: ``float32 [B, C]``: privileged simulator state for the critic alone
+      (asymmetric actor-critic, Pinto et al. 2018): the value head reads it, the
+      policy's actions never do. ``None`` (the default) is read as ``[B, 0]``.
   """
   images: np.ndarray
   state: np.ndarray
   instruction: np.ndarray
   image_mask: np.ndarray | None = None
+  critic_state: np.ndarray | None = None
 
   def __post_init__(self):
+    if self.critic_state is None:
+      self.critic_state = np.zeros((self.state.shape[0], 0), np.float32)
     if self.image_mask is None:
       self.image_mask = np.ones(self.images.shape[:2], bool)
     else:
@@ -86,13 +94,14 @@ class Observation:
   def take(self, idx: np.ndarray) -> "Observation":
     """Returns the sub-batch at integer indices ``idx`` ``[b]``."""
     return Observation(self.images[idx], self.state[idx], self.instruction[idx],
-                       self.image_mask[idx])
+                       self.image_mask[idx], self.critic_state[idx])
 
   @classmethod
   def empty(cls, spec: EnvSpec) -> "Observation":
     """A batch of no observations shaped like ``spec``'s (``[0, ...]``)."""
     return cls(np.zeros((0, len(spec.camera_names), *spec.image_shape), np.uint8),
-               np.zeros((0, spec.state_dim), np.float32), np.zeros((0,), object))
+               np.zeros((0, spec.state_dim), np.float32), np.zeros((0,), object),
+               critic_state=np.zeros((0, spec.critic_state_dim), np.float32))
 
 
 def concat_observations(parts: list[Observation]) -> Observation:
@@ -102,7 +111,8 @@ def concat_observations(parts: list[Observation]) -> Observation:
   return Observation(np.concatenate([p.images for p in parts]),
                      np.concatenate([p.state for p in parts]),
                      np.concatenate([p.instruction for p in parts]),
-                     np.concatenate([p.image_mask for p in parts]))
+                     np.concatenate([p.image_mask for p in parts]),
+                     np.concatenate([p.critic_state for p in parts]))
 
 
 @dataclasses.dataclass

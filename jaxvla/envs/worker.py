@@ -132,20 +132,24 @@ class SharedObs:
     num_envs: rows of each array.
     image_shape: ``(N_cam, H, W, 3)`` of one env's images.
     state_dim: size of one env's state.
+    critic_state_dim: size of its critic state, stored after the state in the same row.
   """
   segments: tuple[str, str]
   num_envs: int
   image_shape: tuple[int, ...]
   state_dim: int
+  critic_state_dim: int = 0
 
   @classmethod
-  def create(cls, num_envs: int, image_shape: tuple[int, ...],
-             state_dim: int) -> tuple[SharedObs, list[shared_memory.SharedMemory]]:
+  def create(cls, num_envs: int, image_shape: tuple[int, ...], state_dim: int,
+             critic_state_dim: int = 0) -> tuple[SharedObs, list[shared_memory.SharedMemory]]:
     """Creates the segments; the caller owns them (closes and unlinks them)."""
-    sizes = (num_envs * math.prod(image_shape), num_envs * state_dim * 4)  # uint8, float32.
+    sizes = (num_envs * math.prod(image_shape),
+             num_envs * (state_dim + critic_state_dim) * 4)  # uint8, float32.
     shms = [shared_memory.SharedMemory(create=True, size=max(1, size)) for size in sizes]
     layout = cls(segments=(shms[0].name, shms[1].name), num_envs=num_envs,
-                 image_shape=tuple(image_shape), state_dim=state_dim)
+                 image_shape=tuple(image_shape), state_dim=state_dim,
+                 critic_state_dim=critic_state_dim)
     return layout, shms
 
   def attach(self) -> list[shared_memory.SharedMemory]:
@@ -153,12 +157,14 @@ class SharedObs:
     return [shared_memory.SharedMemory(name=name) for name in self.segments]
 
   def views(self, shms: list[shared_memory.SharedMemory]) -> tuple[np.ndarray, np.ndarray]:
-    """``(images uint8 [num_envs, *image_shape], state float32 [num_envs, state_dim])``.
+    """``(images uint8 [num_envs, *image_shape], state float32 [num_envs, state_dim +
+    critic_state_dim])``: each row the state, then the critic state.
 
     The views must be dropped before the segments are closed.
     """
     images = np.ndarray((self.num_envs, *self.image_shape), np.uint8, buffer=shms[0].buf)
-    state = np.ndarray((self.num_envs, self.state_dim), np.float32, buffer=shms[1].buf)
+    state = np.ndarray((self.num_envs, self.state_dim + self.critic_state_dim), np.float32,
+                       buffer=shms[1].buf)
     return images, state
 
 
@@ -231,7 +237,8 @@ class _WorkerEnvs:
   def _write(self, j: int, obs: protocol.Observation) -> str:
     """Writes local env ``j``'s observation (a batch of one) to its row; returns its text."""
     row = self.env_ids[j]
-    self._images[row], self._state[row] = obs.images[0], obs.state[0]
+    self._images[row] = obs.images[0]
+    self._state[row] = np.concatenate([obs.state[0], obs.critic_state[0]])
     return str(obs.instruction[0])
 
 

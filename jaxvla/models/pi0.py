@@ -73,10 +73,14 @@ class Pi0Config:
   # The value head trains on the features without moving them (no critic gradient into
   # the VLM or the expert; RLinf's detach_critic_input).
   value_detach: bool = False
+  # Size of the privileged critic state the value head also reads (the env's
+  # ``critic_state_dim``; 0: none). The policy's actions never read it.
+  critic_state_dim: int = 0
 
   @classmethod
   def from_config(cls, model: ml_collections.ConfigDict, *, image_size: int, num_cameras: int,
-                  state_dim: int, action_dim: int, vocab_size: int) -> "Pi0Config":
+                  state_dim: int, action_dim: int, vocab_size: int,
+                  critic_state_dim: int = 0) -> "Pi0Config":
     """Resolves ``config.model`` against the env's sizes (0 in the config = the env's)."""
     if model.variant not in VARIANTS:
       raise ValueError(f"config.model.variant={model.variant!r} is not one of {sorted(VARIANTS)}")
@@ -116,7 +120,7 @@ class Pi0Config:
                steer=model.train_sampler if model.train_sampler in denoise.STEERED else "",
                steer_hidden=model.steer_hidden, steer_bound=model.steer_bound,
                steer_std_init=model.steer_std_init, steer_std_min=model.steer_std_min,
-               value_detach=model.value_detach)
+               value_detach=model.value_detach, critic_state_dim=critic_state_dim)
 
   @property
   def compute_dtype(self):
@@ -141,7 +145,9 @@ def build(cfg: Pi0Config, rngs: nnx.Rngs) -> layers.Node:
     children["action_time_mlp_in"] = layers.dense(rngs, 2 * ew, ew, ("embed", "embed"))
     children["action_time_mlp_out"] = layers.dense(rngs, ew, ew, ("embed", "embed"))
   value_in = feature_width(cfg)
-  rl = dict(value_hidden=layers.dense(rngs, value_in, cfg.value_hidden, ("embed", "mlp")),
+  # (With a critic state the input is no longer the model's width: not sharded as one.)
+  rl = dict(value_hidden=layers.dense(rngs, value_in + cfg.critic_state_dim, cfg.value_hidden,
+                                     ("embed" if not cfg.critic_state_dim else None, "mlp")),
             value_out=layers.dense(rngs, cfg.value_hidden, 1, ("mlp", None)),
             std_out=layers.dense(rngs, ew, a, ("embed", "action")))
   if cfg.steer:
@@ -320,18 +326,22 @@ def features(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.A
   return pooled.astype(jnp.float32)
 
 
-def value_head(p: dict, feats: jax.Array, detach: bool = False) -> jax.Array:
+def value_head(p: dict, feats: jax.Array, detach: bool = False,
+               critic_state: jax.Array | None = None) -> jax.Array:
   """State value ``[B]`` from :func:`features` ``[B, D]`` (``detach``: no gradient into
-  the features, ``Pi0Config.value_detach``)."""
+  the features, ``Pi0Config.value_detach``) and the critic state ``[B, C]`` if any."""
   if detach:
     feats = jax.lax.stop_gradient(feats)
+  if critic_state is not None and critic_state.shape[-1]:
+    feats = jnp.concatenate([feats, critic_state.astype(feats.dtype)], axis=-1)
   h = jax.nn.gelu(layers.apply_dense(p["rl"]["value_hidden"], feats))
   return layers.apply_dense(p["rl"]["value_out"], h)[:, 0]
 
 
-def value(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array) -> jax.Array:
-  """State value ``[B]`` (:func:`value_head` of :func:`features`)."""
-  return value_head(p, features(cfg, p, prefix, state), cfg.value_detach)
+def value(cfg: Pi0Config, p: dict, prefix: Prefix, state: jax.Array,
+          critic_state: jax.Array | None = None) -> jax.Array:
+  """State value ``[B]`` (:func:`value_head` of :func:`features` and the critic state)."""
+  return value_head(p, features(cfg, p, prefix, state), cfg.value_detach, critic_state)
 
 
 def steer(cfg: Pi0Config, p: dict, feats: jax.Array, state: jax.Array,

@@ -40,7 +40,8 @@ class FlowPolicy:
       raise ValueError(f"the flow VLA expects square images, got {spec.image_shape}")
     self.net = pi0.Pi0Config.from_config(
         config, image_size=h, num_cameras=len(spec.camera_names), state_dim=spec.state_dim,
-        action_dim=spec.action_dim, vocab_size=self.tokenizer.vocab_size)
+        action_dim=spec.action_dim, vocab_size=self.tokenizer.vocab_size,
+        critic_state_dim=spec.critic_state_dim)
     denoise.check_samplers(config)
     self.chunk_len = config.chunk_len
     self.action_dim = spec.action_dim
@@ -95,8 +96,17 @@ class FlowPolicy:
     tokens, token_mask = self.tokenizer.encode(
         obs.instruction, state=state if self.discrete_state else None)
     pad = self.net.state_dim - state.shape[-1]
-    return dict(images=obs.images, image_mask=obs.image_mask,
-                state=np.pad(state, ((0, 0), (0, pad))), tokens=tokens, token_mask=token_mask)
+    batch = dict(images=obs.images, image_mask=obs.image_mask,
+                 state=np.pad(state, ((0, 0), (0, pad))), tokens=tokens, token_mask=token_mask)
+    if self.net.critic_state_dim:
+      critic = obs.critic_state.astype(np.float32)
+      if critic.shape[-1] == 0:  # (a dataset's observation: BC never reads the value)
+        critic = np.zeros((state.shape[0], self.net.critic_state_dim), np.float32)
+      if critic.shape[-1] != self.net.critic_state_dim:
+        raise ValueError(f"observation critic_state has {critic.shape[-1]} dims, the env spec "
+                         f"{self.net.critic_state_dim}")
+      batch["critic_state"] = critic
+    return batch
 
   def _prefix(self, params: Params, batch: dict) -> pi0.Prefix:
     return pi0.encode_prefix(self.net, params, batch["images"], batch["tokens"],
@@ -168,7 +178,8 @@ class FlowPolicy:
     executed = chain[:, self.num_steps + int(head == "residual")]
     return ActOutput(actions=executed[:, :, :self.action_dim], chain=chain,
                      log_prob=logp.sum((1, 2)), log_prob_dims=logp,
-                     value=pi0.value_head(params, feats, self.net.value_detach))
+                     value=pi0.value_head(params, feats, self.net.value_detach,
+                                          batch.get("critic_state")))
 
   def evaluate(self, params: Params, batch: dict, chain: jax.Array) -> Evaluation:
     """Log-prob ``[B]`` of stored chains (``act``'s shapes) under ``params``."""
@@ -188,7 +199,8 @@ class FlowPolicy:
         mean, std = self._steer(params, feats, state, chain[:, -2])
         logp = self._steer_log_prob(chain[:, -1] - chain[:, -2], mean, std)
       return Evaluation(log_prob=logp.sum((1, 2)), log_prob_dims=logp,
-                        value=pi0.value_head(params, feats, self.net.value_detach),
+                        value=pi0.value_head(params, feats, self.net.value_detach,
+                                             batch.get("critic_state")),
                         entropy=self._steer_entropy(std, chain.shape[0]))
     logp, stds = denoise.chain_log_prob(
         self._velocity_fn(params, prefix, batch["state"]), chain, num_steps=self.num_steps,
@@ -200,7 +212,8 @@ class FlowPolicy:
     # over steps.
     entropy = (denoise.gaussian_entropy(stds) * mask).sum((2, 3)).mean(1)
     return Evaluation(log_prob=logp.sum((1, 2)), log_prob_dims=logp,
-                      value=pi0.value(self.net, params, prefix, batch["state"]),
+                      value=pi0.value(self.net, params, prefix, batch["state"],
+                                      batch.get("critic_state")),
                       entropy=entropy)
 
   def step_log_probs(self, params: Params, batch: dict,
@@ -234,7 +247,8 @@ class FlowPolicy:
     return dict(sde_steps=self.sde_steps, log_prob_steps=self.log_prob_steps)
 
   def value(self, params: Params, batch: dict) -> jax.Array:
-    return pi0.value(self.net, params, self._prefix(params, batch), batch["state"])
+    return pi0.value(self.net, params, self._prefix(params, batch), batch["state"],
+                     batch.get("critic_state"))
 
   def bc_loss(self, params: Params, batch: dict, actions: jax.Array, rng: jax.Array,
               mask: jax.Array | None = None) -> jax.Array:
