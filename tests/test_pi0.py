@@ -1,5 +1,6 @@
 """pi0 / pi0.5 networks: openpi's tree, KV-cached vs joint passes, value sources, import."""
 
+import dataclasses
 import json
 import os
 
@@ -114,6 +115,36 @@ def test_expert_value_reads_the_state_token(smoke_config):
   moved = dict(batch, state=batch["state"] + 0.5)
   assert not np.allclose(pol.value(params, moved), a.value)
   assert "value_hidden" in params["rl"] and params["rl"]["value_hidden"]["kernel"].shape[0] == 64
+
+
+@pytest.mark.parametrize("train_sampler", ["flow_sde", "residual"])
+def test_critic_state_moves_the_value_and_never_the_actions(smoke_config, train_sampler):
+  """An asymmetric critic (EnvSpec.critic_state_dim): the value head reads the critic state,
+  the actions and their log-probs do not; a dataset's observation without one (BC) gets
+  zeros; a wrong size is refused. The pool carries it like the state (test_pool)."""
+  env, _, _ = _policy(smoke_config, "pi0", value_source="expert")
+  spec = dataclasses.replace(env.spec, critic_state_dim=6)
+  smoke_config.model.train_sampler = train_sampler
+  pol = policy_lib.make_policy(smoke_config.model, spec)
+  params = pol.init(jax.random.PRNGKey(0))
+  assert params["rl"]["value_hidden"]["kernel"].shape[0] == 64 + 6
+  obs = env.observe()
+  obs.critic_state = np.ones((obs.batch_size, 6), np.float32)
+  batch = pol.prepare(obs)
+  other = dict(batch, critic_state=batch["critic_state"] * -3.0)
+  key = jax.random.PRNGKey(1)
+  a, b = pol.act(params, batch, key, "train"), pol.act(params, other, key, "train")
+  np.testing.assert_array_equal(a.actions, b.actions)
+  np.testing.assert_array_equal(a.log_prob, b.log_prob)
+  assert not np.allclose(a.value, b.value)
+  ea, eb = pol.evaluate(params, batch, a.chain), pol.evaluate(params, other, a.chain)
+  np.testing.assert_array_equal(ea.log_prob, eb.log_prob)
+  np.testing.assert_allclose(ea.value, a.value, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(ea.value, eb.value)
+  assert pol.prepare(env.observe())["critic_state"].shape == (obs.batch_size, 6)  # zeros
+  obs.critic_state = np.ones((obs.batch_size, 5), np.float32)
+  with pytest.raises(ValueError, match="critic_state has 5 dims"):
+    pol.prepare(obs)
 
 
 def test_pi05_rejects_expert_value(smoke_config):

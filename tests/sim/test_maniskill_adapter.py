@@ -193,6 +193,14 @@ def test_several_tasks_share_one_pool_told_apart_by_instruction():
     assert np.abs(obs.state[1, -3:]).max() > 0  # PickCube's goal position
     r = env.step_chunk(np.zeros((3, 5, 8)))
     assert r.obs.instruction.tolist() == obs.instruction.tolist()
+    # The critic state (asymmetric critic) comes through the pool's shared memory: the
+    # simulation state, the cube's pose included, as the env itself reports it.
+    assert env.spec.critic_state_dim == 70 and r.obs.critic_state.shape == (3, 70)
+    alone = maniskill_env.make(c.env, 1, 0)
+    try:
+      np.testing.assert_allclose(alone.reset(0).critic_state[0], obs.critic_state[0], atol=1e-6)
+    finally:
+      alone.close()
   finally:
     env.close()
   c.env.task, c.env.instruction = "PushCube-v1", maniskill_env.INSTRUCTIONS["StackCube-v1"]
