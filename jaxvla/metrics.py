@@ -10,6 +10,7 @@ import time
 
 import tqdm
 
+from jaxvla.progress import PhaseLog, on_terminal  # noqa: F401  (re-exported for the job)
 from jaxvla.storage import jsonl
 
 log = logging.getLogger(__name__)
@@ -114,11 +115,12 @@ class MetricWriter:
 
 
 class Progress:
-  """A tqdm bar over env steps showing throughput, success rate and loss."""
+  """A tqdm bar over env steps showing throughput, success rate and loss (on a terminal)."""
 
   def __init__(self, total: int, initial: int, enabled: bool):
-    self._bar = tqdm.tqdm(total=total, initial=initial, unit="step", disable=not enabled,
-                          dynamic_ncols=True, desc="env steps")
+    self._bar = tqdm.tqdm(total=total, initial=initial, unit="step",
+                          disable=not (enabled and on_terminal()), dynamic_ncols=True,
+                          desc="env steps")
     self._postfix: dict[str, str] = {}
 
   def update(self, env_steps: int, **fields: float) -> None:
@@ -128,30 +130,3 @@ class Progress:
 
   def close(self) -> None:
     self._bar.close()
-
-
-class PhaseLog:
-  """A phase's progress as log lines at a steady pace (``log.progress_every_s``), for runs
-  whose output goes to a file (SLURM, a pod, ``nohup``), where no bar is drawn.
-
-  ``tick(step, **fields)`` logs ``<phase>: step S/T (P%), k=v ..., R steps/s, ~L s left``
-  when ``every_s`` seconds have passed since the last line (and at the last step).
-  """
-
-  def __init__(self, phase: str, total: int, every_s: float, clock=time.monotonic):
-    self.phase, self.total, self.every_s, self._clock = phase, total, every_s, clock
-    self._start = self._last = clock()
-
-  def tick(self, step: int, **fields: float) -> bool:
-    """Logs a line if one is due; returns whether it did."""
-    now = self._clock()
-    if self.every_s <= 0 or (now - self._last < self.every_s and step < self.total):
-      return False
-    self._last = now
-    rate = step / max(now - self._start, 1e-9)
-    left = (self.total - step) / rate if rate > 0 else float("inf")
-    shown = "".join(f", {k} {v:.4g}" for k, v in fields.items())
-    log.info("%s: step %d/%d (%.0f%%)%s, %.3g steps/s, ~%.0f s left", self.phase, step,
-             self.total, 100.0 * step / max(self.total, 1), shown, rate, left)
-    return True
-

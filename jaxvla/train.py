@@ -538,6 +538,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
     discarded = {unit: checkpointed.in_flight(unit) for unit in ledger_lib.UNITS}
     progress = metrics_lib.Progress(config.total_env_steps, run.env_steps,
                                     config.log.progress and distributed.is_primary())
+    # Off a terminal (a log file), the same figures as lines at a steady pace.
+    lines = metrics_lib.PhaseLog(
+        "RL (env steps)", config.total_env_steps,
+        0.0 if metrics_lib.on_terminal() and config.log.progress else config.log.progress_every_s,
+        initial=run.env_steps)
     last_eval = run.warm_start_eval
     rl_start, rl_start_steps = time.perf_counter(), run.env_steps
     guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "RL update")
@@ -564,8 +569,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
             s.writer.write(run.env_steps, "eval", last_eval)
           if run.iteration % config.checkpoint.every_iters == 0 or done:
             _save(s, run, state, pipe)
-          progress.update(run.env_steps, sps=sps, success=window.get("success_rate", 0.0),
-                          eval=last_eval["success_rate"], loss=info.metrics["loss"])
+          figures = dict(sps=sps, success=window.get("success_rate", 0.0),
+                         eval=last_eval["success_rate"], loss=info.metrics["loss"])
+          progress.update(run.env_steps, **figures)
+          if distributed.is_primary():
+            lines.tick(run.env_steps, **figures)
       finally:
         progress.close()
         pipe.stop()

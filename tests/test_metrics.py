@@ -90,7 +90,7 @@ def test_phase_log_writes_a_line_at_its_pace_and_at_the_end(caplog):
   now = [0.0]
   phase = metrics.PhaseLog("warm start (BC)", 100, 30.0, clock=lambda: now[0])
   written = []
-  with caplog.at_level(logging.INFO, logger="jaxvla.metrics"):
+  with caplog.at_level(logging.INFO, logger="jaxvla.progress"):
     for step in range(1, 101):
       now[0] = step * 1.0  # one step per second
       if phase.tick(step, loss=0.5):

@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 import PIL.Image
 
+from jaxvla import progress
 from jaxvla.data import rlds
 from jaxvla.data.demonstrators import Episode, make_demonstrator
 from jaxvla.data.episodes import ONE_LINE_ERRORS
@@ -78,6 +79,8 @@ def collect(config: ml_collections.ConfigDict, out: str, num_episodes: int, *,
   features = rlds.step_features({c: spec.image_shape for c in spec.camera_names},
                                 spec.state_dim, spec.action_dim)
   steps, outcomes = [], []
+  lines = progress.PhaseLog("demonstrations", num_episodes,
+                           config.get("log", {}).get("progress_every_s", 30.0))
 
   def examples():
     produced = demonstrator.episodes(attempts)
@@ -87,6 +90,7 @@ def collect(config: ml_collections.ConfigDict, out: str, num_episodes: int, *,
         continue
       steps.append(len(episode.actions))
       yield rlds_example(episode, spec.camera_names)
+      lines.tick(len(steps), attempted=len(outcomes))
       if len(steps) == num_episodes:
         break
     produced.close()
