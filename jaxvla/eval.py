@@ -53,6 +53,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from jaxvla import progress as progress_lib
 from jaxvla.envs import libero as libero_env
 from jaxvla.envs import make_vec_env, normalized, protocol, spec_from_config
 from jaxvla.evaluation import success as evaluate_lib
@@ -250,7 +251,7 @@ class EpisodeFrames:
 
 def _evaluate_task(loaded: policy_io.LoadedPolicy, task: str, env_config, settings: Settings,
                    done: list[dict], out_dir: str, act_fn, videos: int, env_workers: int,
-                   bar: tqdm.tqdm, log_file) -> None:
+                   bar: tqdm.tqdm, log_file, lines: progress_lib.PhaseLog) -> None:
   """Plays ``task``'s episodes not in ``done``, appending each to ``done`` and ``log_file``."""
   n, e_total = settings.num_envs, settings.episodes_per_task
   # Episode e is env e % n's episode e // n: env i plays range(i, e_total, n).
@@ -278,7 +279,9 @@ def _evaluate_task(loaded: policy_io.LoadedPolicy, task: str, env_config, settin
       log_file.flush()
       done.append(row)
       bar.update(1)
-      bar.set_postfix(task=task, success=f"{np.mean([d['success'] for d in done]):.2f}")
+      rate = float(np.mean([d['success'] for d in done]))
+      bar.set_postfix(task=task, success=f"{rate:.2f}")
+      lines.tick(lines.done + 1, success=rate)
 
     evaluate_lib.play_episodes(normalized.wrap(env, loaded.normalizer), loaded.policy, act_fn,
                                loaded.params, rng, seed=settings.reset_seed,
@@ -370,13 +373,17 @@ def run(policy: str, out_dir: str, *, config: ml_collections.ConfigDict | None =
   done = _start(out_dir, settings)
   act_fn = evaluate_lib.row_keyed_act(loaded.policy)
   total = len(configs) * episodes_per_task
-  with tqdm.tqdm(total=total, initial=len(done), unit="episode", disable=not progress,
-                 file=sys.stderr) as bar, \
+  # The bar on a terminal; elsewhere (a log file) a progress line every 30 s.
+  lines = progress_lib.PhaseLog("evaluation (episodes)", total,
+                                0.0 if progress and progress_lib.on_terminal() else 30.0,
+                                initial=len(done))
+  with tqdm.tqdm(total=total, initial=len(done), unit="episode",
+                 disable=not (progress and progress_lib.on_terminal()), file=sys.stderr) as bar, \
       open(os.path.join(out_dir, EPISODES_FILE), "a", encoding="utf-8") as log_file:
     for task, c in configs.items():
       task_done = [d for d in done if d["task"] == task]
       _evaluate_task(loaded, task, c, settings, task_done, out_dir, act_fn, videos_per_task,
-                     workers, bar, log_file)
+                     workers, bar, log_file, lines)
       done = [d for d in done if d["task"] != task] + task_done
   results = summarize(settings, done)
   with open(os.path.join(out_dir, RESULTS_FILE), "w", encoding="utf-8") as f:

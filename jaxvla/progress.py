@@ -32,10 +32,11 @@ class PhaseLog:
     self.phase, self.total, self.every_s, self._clock = phase, total, every_s, clock
     self._start = self._last = clock()
     self._initial = initial  # (a resumed phase: the rate counts this session's steps)
+    self.done = initial  # The last step ticked.
 
   def tick(self, step: int, **fields: float) -> bool:
     """Logs a line if one is due; returns whether it did."""
-    now = self._clock()
+    now, self.done = self._clock(), step
     if self.every_s <= 0 or (now - self._last < self.every_s and step < self.total):
       return False
     self._last = now
