@@ -112,25 +112,3 @@ def test_sft_then_whole_flow_rl_raises_maniskill_success(tmp_path):
   moved = {"/".join(k) for k, a in sft.items() if not np.array_equal(a, after[k])}
   assert {"action_out_proj/kernel", "PaliGemma/llm/layers/mlp_1/linear",
           "PaliGemma/llm/layers/attn/q_einsum_1/w"} <= moved, sorted(moved)
-
-
-@pytest.mark.run_first(2)
-# About 20 minutes alone on the 2-core AVX2 machine (docs/results/maniskill.md, "From
-# pixels"): a guard of its own.
-@pytest.mark.timeout(3600)
-def test_sft_then_rl_from_pixels_raises_maniskill_success(tmp_path):
-  """ManiSkill3 PushCube-v1 from its camera (``configs/maniskill.py:vision_rl_short``): the
-  planner's demonstrations with their 64 px images, SFT of the tiny pi0 with its vision
-  tower, then RL, evaluated on the same 100 fixed-seed episodes before and after. The
-  state is ManiSkill's rgb-mode one (joints, TCP pose): where the cube is, the policy
-  must see. The margin is set from the seeds' spread (docs/results/maniskill.md)."""
-  from configs import maniskill  # pylint: disable=import-outside-toplevel
-  c = maniskill.get_config("vision_rl_short")
-  c.log.progress = False
-  r = train.train_and_evaluate(c, str(tmp_path / "run"))
-  print({k: r[k] for k in ("warm_start_success_rate", "success_rate", "env_steps", "wall_s",
-                           "rl_env_steps_per_s")})
-  assert r["env_steps"] >= c.total_env_steps and r["env_steps_unaccounted"] == 0
-  assert r["success_rate"] >= r["warm_start_success_rate"] + VISION_MIN_GAIN, (
-      f"RL from pixels raised success from {r['warm_start_success_rate']:.2f} to "
-      f"{r['success_rate']:.2f} only")
