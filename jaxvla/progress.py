@@ -41,7 +41,7 @@ class PhaseLog:
       return False
     self._last = now
     rate = (step - self._initial) / max(now - self._start, 1e-9)
-    left = (self.total - step) / rate if rate > 0 else float("inf")
+    left = max(self.total - step, 0) / rate if rate > 0 else float("inf")
     shown = "".join(f", {k} {v:.4g}" for k, v in fields.items())
     log.info("%s: step %d/%d (%.0f%%)%s, %.3g steps/s, ~%.0f s left", self.phase, step,
              self.total, 100.0 * step / max(self.total, 1), shown, rate, left)

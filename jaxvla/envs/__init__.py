@@ -22,13 +22,15 @@ def spec_to_json(spec: EnvSpec) -> dict:
 def spec_from_json(body: dict, where: str) -> EnvSpec:
   """The inverse of :func:`spec_to_json`; ``where`` (a file) is named in errors."""
   fields = {f.name for f in dataclasses.fields(EnvSpec)}
-  if not isinstance(body, dict) or set(body) != fields:
+  optional = {"critic_state_dim"}  # (exports written before it existed have none: 0)
+  if not isinstance(body, dict) or not fields - optional <= set(body) <= fields:
     raise ValueError(f"{where}: expected the keys {sorted(fields)}, got "
                      f"{sorted(body) if isinstance(body, dict) else type(body).__name__}")
   return EnvSpec(camera_names=tuple(body["camera_names"]),
                  image_shape=tuple(body["image_shape"]), state_dim=int(body["state_dim"]),
                  action_dim=int(body["action_dim"]),
-                 max_episode_steps=int(body["max_episode_steps"]))
+                 max_episode_steps=int(body["max_episode_steps"]),
+                 critic_state_dim=int(body.get("critic_state_dim", 0)))
 
 
 def make_vec_env(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
