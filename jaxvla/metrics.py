@@ -10,7 +10,7 @@ import time
 
 import tqdm
 
-from jaxvla.progress import PhaseLog, on_terminal  # noqa: F401  (re-exported for the job)
+from jaxvla.progress import on_terminal
 from jaxvla.storage import jsonl
 
 log = logging.getLogger(__name__)

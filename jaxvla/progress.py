@@ -1,7 +1,7 @@
 """Progress where a run is logged: lines at a steady pace when no terminal shows a bar.
 
 A leaf module (logging, sys and time only), so that every phase, the data collector's
-included, can report through it: :mod:`jaxvla.metrics` re-exports it for the job.
+included, can report through it: :mod:`jaxvla.metrics`'s bar asks it whether a terminal shows.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxvla import config_checks, metrics as metrics_lib
+from jaxvla import config_checks, metrics as metrics_lib, progress as progress_lib
 from jaxvla.data import collect as collect_lib
 from jaxvla.data import config as data_config
 from jaxvla.data import loader as data_loader
@@ -266,7 +266,7 @@ def warm_start(config, s: Setup, params, rng
   state = s.learner.shard_state(learner_lib.init_state(params, s.learner.bc_tx, rng))
   guard = learner_lib.DivergenceGuard(config.ppo.max_bad_updates, "BC step")
   losses, pending = [], []
-  phase = metrics_lib.PhaseLog("warm start (BC)", config.bc.num_steps,
+  phase = progress_lib.PhaseLog("warm start (BC)", config.bc.num_steps,
                                config.log.progress_every_s)
   for i in range(config.bc.num_steps):
     batch, actions, mask = next(batches)
@@ -539,9 +539,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, t_start: float) -> d
     progress = metrics_lib.Progress(config.total_env_steps, run.env_steps,
                                     config.log.progress and distributed.is_primary())
     # Off a terminal (a log file), the same figures as lines at a steady pace.
-    lines = metrics_lib.PhaseLog(
+    lines = progress_lib.PhaseLog(
         "RL (env steps)", config.total_env_steps,
-        0.0 if metrics_lib.on_terminal() and config.log.progress else config.log.progress_every_s,
+        0.0 if progress_lib.on_terminal() and config.log.progress else config.log.progress_every_s,
         initial=run.env_steps)
     last_eval = run.warm_start_eval
     rl_start, rl_start_steps = time.perf_counter(), run.env_steps

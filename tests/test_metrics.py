@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxvla import metrics
+from jaxvla import metrics, progress
 from jaxvla.storage import jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +19,7 @@ def test_the_writer_loads_without_torch_and_torch_still_loads_after(tmp_path):
   script = f"""
 import os, sys
 import jaxvla.train
-from jaxvla import metrics
+from jaxvla import metrics, progress
 assert "torch" not in sys.modules, "importing jaxvla.train loaded torch"
 writer = metrics.MetricWriter({str(tmp_path)!r})
 writer.write(7, "train", {{"loss": 0.5}})
@@ -88,7 +88,7 @@ def test_phase_log_writes_a_line_at_its_pace_and_at_the_end(caplog):
   """metrics.PhaseLog: one line per ``every_s`` of (fake) time, and the last step's, each
   with the step, total, fields, rate and time left."""
   now = [0.0]
-  phase = metrics.PhaseLog("warm start (BC)", 100, 30.0, clock=lambda: now[0])
+  phase = progress.PhaseLog("warm start (BC)", 100, 30.0, clock=lambda: now[0])
   written = []
   with caplog.at_level(logging.INFO, logger="jaxvla.progress"):
     for step in range(1, 101):
@@ -99,4 +99,4 @@ def test_phase_log_writes_a_line_at_its_pace_and_at_the_end(caplog):
   lines = [r.getMessage() for r in caplog.records]
   assert lines[0] == "warm start (BC): step 30/100 (30%), loss 0.5, 1 steps/s, ~70 s left"
   assert lines[-1].startswith("warm start (BC): step 100/100 (100%)")
-  assert not metrics.PhaseLog("x", 10, 0.0).tick(10)  # 0: no lines
+  assert not progress.PhaseLog("x", 10, 0.0).tick(10)  # 0: no lines

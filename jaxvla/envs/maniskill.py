@@ -87,9 +87,7 @@ def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int
     ValueError: naming ``env.task``, ``env.obs_mode``, ``env.control_mode``,
       ``env.reward_mode`` or ``env.render_meshes``.
   """
-  if task not in INSTRUCTIONS:
-    raise ValueError(f"config.env.task: {task!r} is not one of the offline ManiSkill3 tasks "
-                     f"{sorted(INSTRUCTIONS)}")
+  check_task(task)
   if obs_mode not in OBS_MODES:
     raise ValueError(f"env.obs_mode={obs_mode!r} is not one of {OBS_MODES}")
   if control_mode not in CONTROL_MODES:
@@ -121,6 +119,13 @@ def parse_state_keys(state_keys: str) -> tuple[str, ...]:
   return tuple(k.strip() for k in state_keys.split(",") if k.strip())
 
 
+def check_task(task: str) -> None:
+  """Raises ``ValueError`` naming ``env.task`` when ``task`` is not an offline task."""
+  if task not in INSTRUCTIONS:
+    raise ValueError(f"config.env.task: {task!r} is not one of the offline ManiSkill3 tasks "
+                     f"{sorted(INSTRUCTIONS)}")
+
+
 def check_config(env: ml_collections.ConfigDict) -> None:
   """The ``env`` sub-config's ManiSkill3 rules, before any simulator is built.
 
@@ -130,9 +135,7 @@ def check_config(env: ml_collections.ConfigDict) -> None:
   """
   names = tasks(env.task)
   for t in names:
-    if t not in INSTRUCTIONS:
-      raise ValueError(f"config.env.task: {t!r} is not one of the offline ManiSkill3 tasks "
-                       f"{sorted(INSTRUCTIONS)}")
+    check_task(t)
   if len(set(names)) != len(names):
     raise ValueError(f"config.env.task={env.task!r} names a task twice")
   keys = parse_state_keys(env.get("state_keys", ""))
