@@ -38,7 +38,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.max_token_len = 32  # Instruction tokens with <bos> (longest LIBERO one: 20).
   c.pipeline.micro_batch_segments = 1  # Env segments per queue item (divides num_envs).
   c.bc.num_steps = 0  # No scripted expert for LIBERO tasks.
-  c.ppo.num_minibatches = 2  # Minibatches per pass (num_envs * rollout_len = 8 chunks).
+  c.rl.num_minibatches = 2  # Minibatches per pass (num_envs * rollout_len = 8 chunks).
   c.eval.num_episodes = 2  # Evaluation episodes (each a full episode on CPU).
   c.eval.every_iters = 5  # Evaluate every N iterations.
   c.checkpoint.every_iters = 5  # Save every N iterations.

@@ -50,14 +50,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env_workers = 16  # One per core of a 16-core machine.
     c.rollout_len = 4
     c.pipeline.micro_batch_segments = 8
-    c.ppo.num_minibatches = 4
+    c.rl.num_minibatches = 4
     c.pipeline.rollout_dtype = "bfloat16"  # The rollout's copy (6.5 GB for pi0).
     # First-ready batches of 8, 16 or 32 rows: three act / value programs to compile
     # instead of six (a batch of 1 costs the GPU about what a batch of 8 does).
     c.pipeline.min_bucket = 8
   # What a training run of this config would use (the benchmark sets each mode's switches).
   c.pipeline.mode, c.pipeline.streamer = "async", True
-  c.ppo.update(config_checks.STREAMER_PPO)
+  c.rl.update(config_checks.STREAMER_PPO)
   c.total_env_steps = 0  # The benchmark runs its own number of updates.
   c.bc.num_steps = 0
   c.log.progress = False

@@ -8,9 +8,9 @@ Variants:
           behaviour-cloned on them (state and actions z-scored with the dataset's
           statistics), then PPO on a residual head over the frozen SFT flow with the
           shaped success reward for 2M env steps (docs/results/maniskill.md).
-          State observations: the CPU simulator renders a 64 px camera ~20x slower than
-          it steps (docs/design/envs.md), and the task's state (joint positions and velocities,
-          TCP, cube and goal poses) holds what the camera would show.
+          State observations: the task's state (joint positions and velocities, TCP, cube
+          and goal poses) holds what a camera would show; the camera recipes are
+          ``vision_*`` below (their throughput: docs/results/envs.md).
   sft_rl_short  the same recipe shortened to about 5 minutes on 2 cores: PushCube-v1
           from 20 demonstrations, then 80k RL env steps at a 3x larger step.
   flow_rl, flow_rl_short  ``sft_rl`` / ``sft_rl_short`` with RL on the flow's own
@@ -119,7 +119,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.chunk_len = 5  # Actions per chunk (ManiSkill default in the literature).
   c.pipeline.micro_batch_segments = 2  # Env segments per queue item (divides num_envs).
   c.bc.num_steps = 0  # No warm start (sft_rl: planner demonstrations).
-  c.ppo.num_minibatches = 2  # Minibatches per pass (num_envs * rollout_len = 32 chunks).
+  c.rl.num_minibatches = 2  # Minibatches per pass (num_envs * rollout_len = 32 chunks).
   c.eval.num_episodes = 4  # Evaluation episodes (each a full episode on CPU).
   c.eval.every_iters = 5  # Evaluate every N iterations.
   c.checkpoint.every_iters = 5  # Save every N iterations.
@@ -141,7 +141,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.stride = 1  # Every step of the planner's path starts a sample.
     c.data.normalize = "zscore"
     c.pipeline.micro_batch_segments = 8
-    c.ppo.num_minibatches = 4  # 16 envs * 10 chunks = 160 chunks: 40 per minibatch.
+    c.rl.num_minibatches = 4  # 16 envs * 10 chunks = 160 chunks: 40 per minibatch.
     # RL trains a residual head (rl/steer_*) over the frozen SFT flow: 0.22 -> 0.80 by
     # 2M steps, where training the flow's 160-term SDE log-prob gained nothing in the
     # 320k steps it was run at any step size (docs/results/maniskill.md). 'flow_sde', 'ode',
@@ -151,11 +151,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.steer_bound = 1.0  # Corrections within +-1 z-scored action unit.
     c.model.steer_std_init = 0.2  # Exploration around the SFT chunk (labels vary by ~0.9).
     # KL ~0.01 per update; 1e-4 gave 0.06-0.08 with 45% of ratios clipped and lost success.
-    c.ppo.learning_rate = 3e-5
-    c.ppo.num_epochs = 4
+    c.rl.learning_rate = 3e-5
+    c.rl.num_epochs = 4
     # The recipe's figures (docs/results/maniskill.md) were measured with the chunk's joint ratio
     # and its step size tuned with it; 'per_term' (the default) is not measured here.
-    c.ppo.ratio = "joint"
+    c.rl.ratio = "joint"
     # Success plus potential-based shaping by ManiSkill's normalised dense reward.
     c.env.reward_mode = "sparse_shaped"
     # The gain comes late: 0.22 -> 0.38 by 635k env steps, 0.50 by 794k (docs/results/maniskill.md).
@@ -170,7 +170,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.bc.num_episodes = 20  # (100 give PushCube 0.98 SFT success: nothing left for RL)
     # 3x the recipe's step: from the same SFT policy, 80k env steps gain 0.23 at 1e-4 and
     # 0.11 at 3e-5 (PickCube's 2M-step run needs the smaller one; docs/results/maniskill.md).
-    c.ppo.learning_rate = 1e-4
+    c.rl.learning_rate = 1e-4
     c.total_env_steps = 80_000
     c.eval.every_iters = 1000  # At the start and the end only.
     c.checkpoint.every_iters = 1000
@@ -199,9 +199,9 @@ def _set_vision(c: ml_collections.ConfigDict, vision: str) -> None:
   c.env.critic_state_dim = 70
   # The critic's own step and a warm-up: at the actor's step it barely moved in 50k env
   # steps. The actor's step keeps the KL near 0.01 per update (1e-4: 0.06-0.10, 45% clipped).
-  c.ppo.learning_rate = 3e-5
-  c.ppo.value_learning_rate = 1e-3
-  c.ppo.critic_warmup_steps = 160
+  c.rl.learning_rate = 3e-5
+  c.rl.value_learning_rate = 1e-3
+  c.rl.critic_warmup_steps = 160
   # (value_source stays 'expert': pi0's state token, which attends to the image tokens.)
   if vision == "vision_multitask":
     c.env.task = MULTITASK
@@ -215,37 +215,37 @@ def _set_vision(c: ml_collections.ConfigDict, vision: str) -> None:
 
 def _set_method(c: ml_collections.ConfigDict, method: str) -> None:
   """The RL method's settings over the ``sft_rl`` recipe (the module docstring)."""
-  m, ppo = c.model, c.ppo
+  m, rl = c.model, c.rl
   if method == "residual":
     return
   if method == "latent":
     m.train_sampler, m.eval_sampler = "latent", "latent_mean"
     m.steer_std_init = 1.0  # The base policy's N(0, 1) noise.
-    ppo.learning_rate = 1e-4
+    rl.learning_rate = 1e-4
     return
   # The whole flow trains, evaluated with its deterministic ODE sampler.
   m.eval_sampler = "ode"
   if method == "flow_sde":
     m.train_sampler = "flow_sde"
-    ppo.learning_rate = 1e-5  # (KL 0.014 per update at 1e-5; docs/results/maniskill.md)
+    rl.learning_rate = 1e-5  # (KL 0.014 per update at 1e-5; docs/results/maniskill.md)
     return
   # piRL's recipe (RLinf's maniskill_ppo_openpi*.yaml and openpi_action_model.py): the
   # executed dims' token-level ratios, a critic on detached features with a 20x larger
   # step, value clip 0.2 and the Huber loss (delta 10).
-  ppo.ratio = "per_term"
+  rl.ratio = "per_term"
   m.value_detach = True
-  ppo.value_learning_rate = 1e-4
-  ppo.learning_rate = 1e-5
-  ppo.value_clip = 0.2
-  ppo.value_loss = "huber"
-  ppo.huber_delta = 10.0
+  rl.value_learning_rate = 1e-4
+  rl.learning_rate = 1e-5
+  rl.value_clip = 0.2
+  rl.value_loss = "huber"
+  rl.huber_delta = 10.0
   if method in ("pirl_sde", "grpo"):
     m.train_sampler, m.sde_steps = "flow_sde", "one"
   if method == "pirl_noise":
     m.train_sampler, m.log_prob_steps = "flow_noise", "mean"
     m.noise_std_min, m.noise_std_max = 0.08, 0.16
-    ppo.entropy_coef = 0.005
+    rl.entropy_coef = 0.005
   if method == "grpo":
     c.algorithm = "grpo"
     c.env.group_size = 8  # 16 envs: 2 groups of 8 per update.
-    ppo.value_clip = 0.0  # (GRPO has no critic)
+    rl.value_clip = 0.0  # (GRPO has no critic)

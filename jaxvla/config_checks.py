@@ -3,9 +3,10 @@
 Rules that belong to one module are checked by that module's own function, which
 this file calls (one owner per rule): mesh sizes and rules
 (:func:`jaxvla.parallel.sharding.check_mesh_config`), GRPO groups
-(:func:`jaxvla.envs.protocol.group_layout`), the GRPO loss normaliser
-(:func:`jaxvla.algorithms.grpo.check_normalizer`), the pipeline mode
-(:meth:`jaxvla.runtime.pipeline.Levels.from_config`), ``config.distributed``
+(:func:`jaxvla.envs.protocol.group_layout`), the algorithm and the rules that hold for
+it alone (its record's ``check``: :mod:`jaxvla.learner.algorithm`, e.g. the GRPO loss
+normaliser), the optimizer schedules (:mod:`jaxvla.learner.optimizers`), the pipeline mode
+(:meth:`jaxvla.runtime.modes.Levels.from_config`), ``config.distributed``
 (:func:`jaxvla.parallel.distributed.validate`), ``config.data``
 (:func:`jaxvla.data.config.validate`), ``config.model.lora*``
 (:func:`jaxvla.models.lora.check_config`), the samplers
@@ -15,24 +16,23 @@ this file calls (one owner per rule): mesh sizes and rules
 
 import ml_collections
 
-from jaxvla import defaults
-from jaxvla.algorithms import grpo, ppo
+from jaxvla import defaults, errors
+from jaxvla.algorithms import ppo
 from jaxvla.data import config as data_config
 from jaxvla.envs import maniskill, protocol
-from jaxvla.learner import learner
+from jaxvla.learner import algorithm as algorithm_lib
+from jaxvla.learner import optimizers
 from jaxvla.models import denoise, lora
 from jaxvla.parallel import distributed, sharding
-from jaxvla.runtime import pipeline
+from jaxvla.runtime import modes
 
 # The PPO settings the streamer needs (the checks below): one pass over each batch, no
 # minibatch advantage statistics, no KL early stop. Configs and benchmarks that turn the
-# streamer on apply them with ``c.ppo.update(STREAMER_PPO)``.
+# streamer on apply them with ``c.rl.update(STREAMER_PPO)``.
 STREAMER_PPO = dict(num_epochs=1, advantage_norm="none", target_kl=0.0)
 
 
-def _require(ok: bool, key: str, message: str) -> None:
-  if not ok:
-    raise ValueError(f"config.{key}: {message}")
+_require = errors.require
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -56,16 +56,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
            "need 0 < noise_std_min < noise_std_max")
   _require(c.model.noise_level > 0, "model.noise_level", f"must be > 0, got {c.model.noise_level}")
   n = c.num_envs * c.rollout_len
-  _require(n % c.ppo.num_minibatches == 0, "ppo.num_minibatches",
+  _require(n % c.rl.num_minibatches == 0, "rl.num_minibatches",
            f"must divide num_envs * rollout_len = {n}")
-  _require(0 < c.ppo.gamma <= 1, "ppo.gamma", f"must be in (0, 1], got {c.ppo.gamma}")
-  _require(0 <= c.ppo.gae_lambda <= 1, "ppo.gae_lambda", f"must be in [0, 1], got {c.ppo.gae_lambda}")
-  _require(c.ppo.clip_eps > 0, "ppo.clip_eps", f"must be > 0, got {c.ppo.clip_eps}")
-  _require(c.ppo.max_bad_updates >= 1, "ppo.max_bad_updates",
-           f"must be >= 1, got {c.ppo.max_bad_updates}")
+  _require(0 < c.rl.gamma <= 1, "rl.gamma", f"must be in (0, 1], got {c.rl.gamma}")
+  _require(0 <= c.rl.gae_lambda <= 1, "rl.gae_lambda", f"must be in [0, 1], got {c.rl.gae_lambda}")
+  _require(c.rl.clip_eps > 0, "rl.clip_eps", f"must be > 0, got {c.rl.clip_eps}")
+  _require(c.rl.max_bad_updates >= 1, "rl.max_bad_updates",
+           f"must be >= 1, got {c.rl.max_bad_updates}")
   _require(c.bc.num_steps >= 0, "bc.num_steps", f"must be >= 0, got {c.bc.num_steps}")
-  learner.bc_learning_rate(c.bc)  # (the owner of the bc.lr_schedule check; raises naming it)
-  learner.rl_decay_steps(c)  # (the owner of the ppo.lr_schedule check; raises naming it)
+  optimizers.bc_learning_rate(c.bc)  # (the owner of the bc.lr_schedule check; raises naming it)
+  optimizers.rl_decay_steps(c)  # (the owner of the rl.lr_schedule check; raises naming it)
   _require(c.bc.num_steps == 0 or c.bc.num_episodes >= 1, "bc.num_episodes",
            "must be >= 1 when bc.num_steps > 0")
   _require(c.eval.every_iters >= 1, "eval.every_iters", "must be >= 1")
@@ -117,8 +117,8 @@ def validate_batch_shards(c: ml_collections.ConfigDict, batch_shards: int,
              f"(config.mesh: data x fsdp = {batch_shards})")
   _require(c.num_envs % local == 0, "num_envs",
            f"{c.num_envs} is not divisible by {where}")
-  mb = c.num_envs * c.rollout_len // c.ppo.num_minibatches
-  _require(mb % local == 0, "ppo.num_minibatches",
+  mb = c.num_envs * c.rollout_len // c.rl.num_minibatches
+  _require(mb % local == 0, "rl.num_minibatches",
            f"minibatches of num_envs * rollout_len / num_minibatches = {mb} chunks are not "
            f"divisible by {where}")
   _require(c.bc.num_steps == 0 or c.bc.batch_size % batch_shards == 0, "bc.batch_size",
@@ -127,9 +127,10 @@ def validate_batch_shards(c: ml_collections.ConfigDict, batch_shards: int,
 
 
 def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
-  """``config.pipeline`` and the ``ppo`` fields it interacts with."""
+  """``config.pipeline``, the ``rl`` fields it interacts with, and ``config.algorithm``
+  with its record's own rules (:attr:`jaxvla.learner.algorithm.Algorithm.check`)."""
   p = c.pipeline
-  pipeline.Levels.from_config(p)
+  modes.Levels.from_config(p)
   _require(p.staleness_control in ("drop", "pace"), "pipeline.staleness_control",
            f"must be 'drop' or 'pace', got {p.staleness_control!r}")
   _require(p.max_staleness >= 0, "pipeline.max_staleness", f"must be >= 0, got {p.max_staleness}")
@@ -151,61 +152,45 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
            "sync_colocated runs rollout on the learner's devices; leave it '' or use "
            "pipeline.mode='sync_disaggregated' / 'async'")
   on = p.mode == "async"
-  _require(c.algorithm in ("ppo", "grpo"), "algorithm",
-           f"must be 'ppo' or 'grpo', got {c.algorithm!r}")
-  if c.algorithm == "grpo":
-    g = c.env.group_size
-    _require(g >= 2, "env.group_size", f"GRPO compares G >= 2 episodes per group, got {g}")
-    grpo.check_normalizer(c.grpo.loss_normalizer, streamed=on and p.streamer)
-    groups = c.num_envs // g
-    _require(groups % c.ppo.num_minibatches == 0 if (on and p.streamer)
-             else c.num_envs % c.ppo.num_minibatches == 0, "ppo.num_minibatches",
-             f"must divide the update's {groups} groups (streamer) / {c.num_envs} episodes")
+  algorithm = algorithm_lib.get(c.algorithm)  # (raises naming config.algorithm)
   _require(not (on and p.rollout_async) or c.env_workers > 0, "pipeline.rollout_async",
            "first-ready env batching needs the env pool: set env_workers > 0 (or "
            "pipeline.rollout_async=False)")
-  _require(c.ppo.correction in ppo.CORRECTIONS, "ppo.correction",
-           f"must be one of {ppo.CORRECTIONS}, got {c.ppo.correction!r}")
-  _require(c.ppo.correction != "truncated_is" or c.ppo.is_clip > 0, "ppo.is_clip",
+  _require(c.rl.correction in ppo.CORRECTIONS, "rl.correction",
+           f"must be one of {ppo.CORRECTIONS}, got {c.rl.correction!r}")
+  _require(c.rl.correction != "truncated_is" or c.rl.is_clip > 0, "rl.is_clip",
            "truncated_is needs is_clip > 0")
-  ppo.check_ratio(c.ppo.ratio)  # (the owner of the ppo.ratio check; raises naming it)
-  ppo.step_scale(c.ppo.step_scale, dict(is_weight=1.0, is_weight_sq=1.0, lag=0.0))  # (likewise)
-  ppo.check_behaviour_clip(c.ppo.behaviour_clip)  # (likewise)
-  ppo.check_value_loss(c.ppo.value_loss, c.ppo.huber_delta, c.ppo.value_clip)  # (likewise)
-  ppo.check_is_clip_mode(c.ppo.is_clip_mode)  # (likewise)
-  _require(c.ppo.value_learning_rate >= 0, "ppo.value_learning_rate",
-           f"must be >= 0 (0: ppo.learning_rate), got {c.ppo.value_learning_rate}")
-  _require(c.ppo.critic_warmup_steps >= 0, "ppo.critic_warmup_steps",
-           f"must be >= 0, got {c.ppo.critic_warmup_steps}")
-  _require(0.0 <= c.ppo.adam_b1 < 1.0, "ppo.adam_b1", f"must be in [0, 1), got {c.ppo.adam_b1}")
-  _require(c.ppo.value_targets in ("rollout", "learner", "vtrace"), "ppo.value_targets",
-           f"must be 'rollout', 'learner' or 'vtrace', got {c.ppo.value_targets!r}")
-  _require(c.ppo.value_targets == "rollout" or c.algorithm == "ppo", "ppo.value_targets",
-           "'learner' and 'vtrace' recompute the advantages from the critic; GRPO has none "
-           "(leave it 'rollout')")
-  _require(c.ppo.advantage_norm in ("minibatch", "none"), "ppo.advantage_norm",
-           f"must be 'minibatch' or 'none', got {c.ppo.advantage_norm!r}")
-  r = c.ppo.kl_detail_rows
-  _require(0 <= r <= c.num_envs * c.rollout_len, "ppo.kl_detail_rows",
+  ppo.check_ratio(c.rl.ratio)  # (the owner of the rl.ratio check; raises naming it)
+  ppo.step_scale(c.rl.step_scale, dict(is_weight=1.0, is_weight_sq=1.0, lag=0.0))  # (likewise)
+  ppo.check_behaviour_clip(c.rl.behaviour_clip)  # (likewise)
+  ppo.check_value_loss(c.rl.value_loss, c.rl.huber_delta, c.rl.value_clip)  # (likewise)
+  ppo.check_is_clip_mode(c.rl.is_clip_mode)  # (likewise)
+  _require(c.rl.value_learning_rate >= 0, "rl.value_learning_rate",
+           f"must be >= 0 (0: rl.learning_rate), got {c.rl.value_learning_rate}")
+  _require(c.rl.critic_warmup_steps >= 0, "rl.critic_warmup_steps",
+           f"must be >= 0, got {c.rl.critic_warmup_steps}")
+  _require(0.0 <= c.rl.adam_b1 < 1.0, "rl.adam_b1", f"must be in [0, 1), got {c.rl.adam_b1}")
+  _require(c.rl.value_targets in ("rollout", "learner", "vtrace"), "rl.value_targets",
+           f"must be 'rollout', 'learner' or 'vtrace', got {c.rl.value_targets!r}")
+  _require(c.rl.advantage_norm in ("minibatch", "none"), "rl.advantage_norm",
+           f"must be 'minibatch' or 'none', got {c.rl.advantage_norm!r}")
+  r = c.rl.kl_detail_rows
+  _require(0 <= r <= c.num_envs * c.rollout_len, "rl.kl_detail_rows",
            f"must be in [0, num_envs * rollout_len = {c.num_envs * c.rollout_len}], got {r}")
   if r:
-    _require(c.algorithm == "ppo", "ppo.kl_detail_rows",
-             "scores PPO's chunk rows; GRPO's rows are whole episodes (set it to 0)")
     _require(c.model.name in ("pi0", "pi05") and c.model.train_sampler in denoise.GAUSSIAN,
-             "ppo.kl_detail_rows", f"scores a flow's Gaussian steps ({denoise.GAUSSIAN} train "
+             "rl.kl_detail_rows", f"scores a flow's Gaussian steps ({denoise.GAUSSIAN} train "
              f"samplers); model {c.model.name!r} with train_sampler "
              f"{c.model.train_sampler!r} has none (set it to 0)")
-    _require(not (on and p.streamer), "ppo.kl_detail_rows",
+    _require(not (on and p.streamer), "rl.kl_detail_rows",
              "the streamed learner never holds a whole update's rows (set it to 0)")
   if on and p.streamer:
-    items = c.num_envs // m
-    _require(c.ppo.num_epochs == STREAMER_PPO["num_epochs"], "ppo.num_epochs",
-             "the streamer makes one pass over each batch as it arrives: set ppo.num_epochs=1")
-    _require(c.algorithm == "grpo" or items % c.ppo.num_minibatches == 0,
-             "ppo.num_minibatches",
-             f"the streamer's minibatches are groups of queue items: num_envs / "
-             f"micro_batch_segments = {items} items must divide into {c.ppo.num_minibatches}")
-    _require(c.ppo.advantage_norm == STREAMER_PPO["advantage_norm"], "ppo.advantage_norm",
+    _require(c.rl.num_epochs == STREAMER_PPO["num_epochs"], "rl.num_epochs",
+             "the streamer makes one pass over each batch as it arrives: set rl.num_epochs=1")
+    _require(c.rl.advantage_norm == STREAMER_PPO["advantage_norm"], "rl.advantage_norm",
              "minibatch statistics are not known until the last micro-batch arrives; the "
              "streamer needs advantage_norm='none'")
-    _require(c.ppo.target_kl == STREAMER_PPO["target_kl"], "ppo.target_kl", "the streamer does not support target_kl")
+    _require(c.rl.target_kl == STREAMER_PPO["target_kl"], "rl.target_kl", "the streamer does not support target_kl")
+  # The algorithm's own rules come last: they relate fields the rules above have checked
+  # alone (rl.value_targets, rl.kl_detail_rows, the streamer's settings).
+  algorithm.check(c)

@@ -20,6 +20,14 @@ MOVED_KEYS = {
     "ppo.algorithm": "algorithm",
     "ppo.loss_normalizer": "grpo.loss_normalizer",
     "ppo.grpo_scale": "grpo.scale",
+    # The RL update's settings serve PPO and GRPO alike: ``ppo.*`` became ``rl.*``.
+    **{f"ppo.{key}": f"rl.{key}" for key in (
+        "adam_b1", "advantage_norm", "behaviour_clip", "bootstrap_truncated", "clip_eps",
+        "correction", "critic_warmup_steps", "entropy_coef", "gae_lambda", "gamma",
+        "huber_delta", "is_clip", "is_clip_mode", "kl_detail_rows", "learning_rate",
+        "lr_schedule", "max_bad_updates", "max_grad_norm", "num_epochs", "num_minibatches",
+        "ratio", "step_scale", "target_kl", "value_clip", "value_coef", "value_learning_rate",
+        "value_loss", "value_targets")},
 }
 
 
@@ -149,68 +157,71 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.stride = 0  # 0: the chunk length.
 
   # The RL objective. Both are clipped policy-gradient updates with the settings in
-  # ``ppo`` (clip, epochs, minibatches, corrections); GRPO's own are in ``grpo``.
+  # ``rl`` (clip, epochs, minibatches, corrections, and PPO's critic); GRPO's own are in
+  # ``grpo``.
   c.algorithm = "ppo"  # 'ppo' (GAE, value head) or 'grpo' (group-normalised episode returns).
   c.grpo = ml_collections.ConfigDict()
   c.grpo.loss_normalizer = "trajectory"  # 'chunks', 'trajectory' (1/|tau|) or 'constant' (1/K).
   c.grpo.scale = True  # Divide by the group's return std (False: Dr. GRPO).
 
-  c.ppo = ml_collections.ConfigDict()
-  c.ppo.learning_rate = 1e-4  # Adam learning rate of the RL phase.
-  c.ppo.gamma = 0.99  # Discount per chunk step.
-  c.ppo.gae_lambda = 0.95  # GAE lambda.
+  # The RL update's settings, PPO's and GRPO's (the gamma, GAE and value_* keys are PPO's
+  # critic; GRPO has none). Formerly ``ppo.*`` (:data:`MOVED_KEYS`).
+  c.rl = ml_collections.ConfigDict()
+  c.rl.learning_rate = 1e-4  # Adam learning rate of the RL phase.
+  c.rl.gamma = 0.99  # Discount per chunk step.
+  c.rl.gae_lambda = 0.95  # GAE lambda.
   # True when the time limit only schedules resets; False when reaching the goal in time
   # is the task, as in ColorReach (with True, tests/test_learning.py's PPO lost its push
   # to hurry: 1.0 -> 0.445 success).
-  c.ppo.bootstrap_truncated = False  # Bootstrap truncations from their final obs's value.
-  c.ppo.clip_eps = 0.2  # PPO ratio clip.
+  c.rl.bootstrap_truncated = False  # Bootstrap truncations from their final obs's value.
+  c.rl.clip_eps = 0.2  # PPO ratio clip.
   # 'per_term_correction': PPO's ratio and clip over the chunk, the decoupled correction
   # (importance weight, behaviour clip) per action dim of the chunk (H x A terms): on
   # fresh data the 'joint' ratio's PPO; full async at staleness 4 ended 0.026 below sync
   # over five ColorReach seeds, where 'joint' (one weight for the chunk's K x H x A
-  # transitions) lost 0.06-0.12 (docs/design/pipeline.md). 'per_term': ratio and clip per term
+  # transitions) lost 0.06-0.12 (docs/results/pipeline.md). 'per_term': ratio and clip per term
   # too (token-level PPO); 'mean': the geometric mean over the terms, GSPO-style.
-  c.ppo.ratio = "per_term_correction"  # 'per_term_correction', 'joint', 'per_term' or 'mean'.
-  c.ppo.value_coef = 0.5  # Weight of the value loss.
-  c.ppo.value_loss = "mse"  # Critic loss of the error: 'mse' (0.5 e^2) or 'huber'.
-  c.ppo.huber_delta = 10.0  # 'huber': quadratic within this error, linear beyond.
-  c.ppo.value_clip = 0.0  # Clip the value's move from the rollout's, PPO2-style (0: off).
-  c.ppo.value_learning_rate = 0.0  # Critic (rl/value_*) Adam learning rate (0: learning_rate).
-  c.ppo.critic_warmup_steps = 0  # First RL optimizer steps that train the critic alone.
+  c.rl.ratio = "per_term_correction"  # 'per_term_correction', 'joint', 'per_term' or 'mean'.
+  c.rl.value_coef = 0.5  # Weight of the value loss.
+  c.rl.value_loss = "mse"  # Critic loss of the error: 'mse' (0.5 e^2) or 'huber'.
+  c.rl.huber_delta = 10.0  # 'huber': quadratic within this error, linear beyond.
+  c.rl.value_clip = 0.0  # Clip the value's move from the rollout's, PPO2-style (0: off).
+  c.rl.value_learning_rate = 0.0  # Critic (rl/value_*) Adam learning rate (0: learning_rate).
+  c.rl.critic_warmup_steps = 0  # First RL optimizer steps that train the critic alone.
   # 'constant', or 'linear': the actor's step falls to 0 at the budget's last optimizer
-  # step (learner.rl_optimizer_steps; after the critic's warm-up; PPO only).
-  c.ppo.lr_schedule = "constant"
-  c.ppo.entropy_coef = 0.0  # Weight of the sampler-entropy bonus (matters for flow_noise).
-  c.ppo.num_epochs = 2  # Passes over each rollout.
-  c.ppo.num_minibatches = 4  # Minibatches per pass.
-  c.ppo.max_grad_norm = 1.0  # Global gradient-norm clip.
-  c.ppo.adam_b1 = 0.9  # Adam's first-moment decay (momentum) in the RL phase.
+  # step (optimizers.rl_optimizer_steps; after the critic's warm-up; PPO only).
+  c.rl.lr_schedule = "constant"
+  c.rl.entropy_coef = 0.0  # Weight of the sampler-entropy bonus (matters for flow_noise).
+  c.rl.num_epochs = 2  # Passes over each rollout.
+  c.rl.num_minibatches = 4  # Minibatches per pass.
+  c.rl.max_grad_norm = 1.0  # Global gradient-norm clip.
+  c.rl.adam_b1 = 0.9  # Adam's first-moment decay (momentum) in the RL phase.
   # Divergence guard: an update (or BC step) whose loss, gradients or new params are not
   # finite is not applied (counted, logged).
-  c.ppo.max_bad_updates = 3  # This many non-finite updates in a row stop the run.
-  c.ppo.target_kl = 0.0  # Skip the rest of an update once approx. KL exceeds this (0: off).
-  c.ppo.advantage_norm = "minibatch"  # Advantage normalisation: 'minibatch' stats or 'none'.
+  c.rl.max_bad_updates = 3  # This many non-finite updates in a row stop the run.
+  c.rl.target_kl = 0.0  # Skip the rest of an update once approx. KL exceeds this (0: off).
+  c.rl.advantage_norm = "minibatch"  # Advantage normalisation: 'minibatch' stats or 'none'.
   # 'decoupled' (the default) is plain PPO on fresh data (behaviour = proximal policy) at
   # the cost of one forward pass per update, and corrects stale (async) or bf16-rollout
   # data; 'none' clips around the behaviour, which lost 0.25 success at staleness 4.
-  c.ppo.correction = "decoupled"  # Off-policy correction: 'none', 'decoupled', 'truncated_is'.
-  c.ppo.is_clip = 2.0  # Truncation of importance weights (decoupled: 0 for none; truncated_is).
-  c.ppo.is_clip_mode = "truncate"  # Decoupled, a weight over is_clip: 'truncate' or 'drop'.
+  c.rl.correction = "decoupled"  # Off-policy correction: 'none', 'decoupled', 'truncated_is'.
+  c.rl.is_clip = 2.0  # Truncation of importance weights (decoupled: 0 for none; truncated_is).
+  c.rl.is_clip_mode = "truncate"  # Decoupled, a weight over is_clip: 'truncate' or 'drop'.
   # Decoupled only: a chunk the policy has moved by more than this factor from the
   # behaviour, in its advantage's direction, gives no gradient (0: off). What keeps the
   # streamed learner from running away on stale data (docs/design/pipeline.md, learning parity).
-  c.ppo.behaviour_clip = 2.0  # Trust region around the behaviour (0 or > 1).
+  c.rl.behaviour_clip = 2.0  # Trust region around the behaviour (0 or > 1).
   # 'learner': recompute GAE from the learner's critic at the start of each update (one
   # more forward pass) instead of the values the (possibly stale) rollout recorded;
   # 'vtrace': V-trace targets and advantages from that critic and the importance ratios.
-  c.ppo.value_targets = "rollout"  # Advantages from: 'rollout', 'learner' or 'vtrace'.
+  c.rl.value_targets = "rollout"  # Advantages from: 'rollout', 'learner' or 'vtrace'.
   # 'ess': scale each optimizer step by the effective sample size fraction of its
   # importance weights, mean(w)^2 / mean(w^2) (1 on fresh data, less the staler it is).
-  c.ppo.step_scale = "none"  # Step size under staleness: 'none', 'ess' or 'staleness'.
+  c.rl.step_scale = "none"  # Step size under staleness: 'none', 'ess' or 'staleness'.
   # Diagnostics: score this many of each update's rows under the params before and after
   # it, per denoise step and action dim (update_kl/step<k>, /dim<a>; flow samplers, PPO's
   # epochs update; two forward passes of the chain over these rows per update). 0: off.
-  c.ppo.kl_detail_rows = 0
+  c.rl.kl_detail_rows = 0
 
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.mode = "sync_colocated"  # 'sync_colocated', 'sync_disaggregated' or 'async'.

@@ -36,6 +36,7 @@ def _logs(workdir: str) -> list[schedule_lib.Session]:
 def _first_step_difference(a: schedule_lib.Session, b: schedule_lib.Session
                            ) -> dict[str, Any] | None:
   for n, (x, y) in enumerate(zip(a.steps, b.steps)):
+    x, y = x.to_json(), y.to_json()  # (compared by their fields as written)
     if x != y:
       keys = sorted(k for k in set(x) | set(y) if x.get(k) != y.get(k))
       return dict(step=n, what=keys, a={k: x.get(k) for k in keys},
@@ -43,12 +44,15 @@ def _first_step_difference(a: schedule_lib.Session, b: schedule_lib.Session
   return None
 
 
-def _update_difference(x: dict, y: dict) -> dict[str, Any] | None:
+def _update_difference(x: schedule_lib.UpdateRecord, y: schedule_lib.UpdateRecord
+                       ) -> dict[str, Any] | None:
   """The first field of two update records that differs: inputs first, then metrics."""
   for field in ("u", "items", "dropped"):
-    if x.get(field) != y.get(field):
-      return dict(what=field, a=x.get(field), b=y.get(field))
-  mx, my = x["metrics"], y["metrics"]
+    a, b = getattr(x, field), getattr(y, field)
+    if a != b:
+      return dict(what=field, a=a if isinstance(a, int) else list(a),
+                  b=b if isinstance(b, int) else list(b))
+  mx, my = x.metrics, y.metrics
   for name in sorted(set(mx) | set(my)):
     if not schedule_lib.same_float(mx.get(name), my.get(name)):
       return dict(what=f"metrics.{name}", a=mx.get(name), b=my.get(name))
@@ -75,7 +79,7 @@ def compare(a_dir: str, b_dir: str) -> dict[str, Any]:
     for x, y in zip(sa.updates, sb.updates):
       diff = _update_difference(x, y)
       if diff is not None:
-        return dict(equal=False, updates=compared, session=sa.iteration, update=x["u"],
+        return dict(equal=False, updates=compared, session=sa.iteration, update=x.u,
                     first_step=step, **diff)
       compared += 1
     if len(sa.updates) != len(sb.updates):

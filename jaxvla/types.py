@@ -48,7 +48,7 @@ class Trajectory:
     chain: ``[T, B, K + 1, H, A]`` stored sampler chains.
     log_prob: ``[T, B]`` behaviour log-probabilities of the chains.
     log_prob_dims: ``[T, B, H, A_net]`` the same per action dimension (summed over the
-      sampler's steps; 0 on padded dims), what a per-term ratio (``ppo.ratio``) needs.
+      sampler's steps; 0 on padded dims), what a per-term ratio (``rl.ratio``) needs.
     value: ``[T, B]`` behaviour values.
     reward: ``[T, B]`` chunk rewards.
     done: ``[T, B]`` episode ended in the step (terminated or truncated): GAE's

@@ -22,7 +22,7 @@ def smoke_config(model: dict | None = None, **pipeline):
   c.pipeline.micro_batch_segments = 4
   c.pipeline.update(pipeline)
   if c.pipeline.streamer:
-    c.ppo.update(num_epochs=1, num_minibatches=2, advantage_norm="none")
+    c.rl.update(num_epochs=1, num_minibatches=2, advantage_norm="none")
   return c
 
 

@@ -35,6 +35,7 @@ import optax  # noqa: E402
 from configs import default  # noqa: E402
 from jaxvla.envs import builtin  # noqa: E402
 from jaxvla.learner import learner as learner_lib  # noqa: E402
+from jaxvla.learner import optimizers as optimizers_lib  # noqa: E402
 from jaxvla.models import policy as policy_lib  # noqa: E402
 from jaxvla.parallel import distributed, sharding  # noqa: E402
 from jaxvla.rollout import rollout as rollout_lib  # noqa: E402
@@ -62,13 +63,13 @@ def main() -> None:
   args = parser.parse_args()
 
   c = default.get_config("smoke")
-  c.num_envs, c.rollout_len, c.ppo.num_minibatches = NUM_ENVS, ROLLOUT_LEN, 2
+  c.num_envs, c.rollout_len, c.rl.num_minibatches = NUM_ENVS, ROLLOUT_LEN, 2
   c.model.num_denoise_steps = 2
   c.distributed.coordinator_address = args.coordinator
   c.distributed.num_processes, c.distributed.process_id = args.num_processes, args.process_id
   c.distributed.initialization_timeout_s = 120
   distributed.initialize(c.distributed)
-  learner_lib.make_optimizer = _optimizer
+  optimizers_lib.make_optimizer = _optimizer
   procs, rank = jax.process_count(), jax.process_index()
   assert procs == args.num_processes, (procs, args.num_processes)
 

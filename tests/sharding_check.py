@@ -26,6 +26,7 @@ import optax  # noqa: E402
 from configs import default  # noqa: E402
 from jaxvla.envs import builtin  # noqa: E402
 from jaxvla.learner import learner as learner_lib  # noqa: E402
+from jaxvla.learner import optimizers as optimizers_lib  # noqa: E402
 from jaxvla.models import policy as policy_lib  # noqa: E402
 from jaxvla.parallel import sharding  # noqa: E402
 from jaxvla.rollout import rollout as rollout_lib  # noqa: E402
@@ -66,9 +67,9 @@ def _copy(tree):
 def main(meshes: list[tuple[int, int, int]]) -> None:
   t0 = time.perf_counter()
   c = default.get_config("smoke")
-  c.num_envs, c.rollout_len, c.ppo.num_minibatches = 8, 2, 2
+  c.num_envs, c.rollout_len, c.rl.num_minibatches = 8, 2, 2
   c.model.num_denoise_steps = 2  # (compile time; the chain length is not what is tested)
-  learner_lib.make_optimizer = _well_conditioned_optimizer
+  optimizers_lib.make_optimizer = _well_conditioned_optimizer
   env = builtin.make(c.env, c.num_envs, 0)
   pol = policy_lib.make_policy(c.model, env.spec)
   plain = learner_lib.Learner(pol, c)

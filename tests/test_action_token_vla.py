@@ -146,8 +146,8 @@ def test_bc_loss_decreases_on_fixed_batch(smoke_config):
 
 def test_ppo_update_changes_params(smoke_config):
   s = _setup(smoke_config)
-  smoke_config.ppo.num_minibatches = 2
-  smoke_config.ppo.num_epochs = 1
+  smoke_config.rl.num_minibatches = 2
+  smoke_config.rl.num_epochs = 1
   pol = s["pol"]
   env = builtin.make(smoke_config.env, 4, 1)
   traj = rollout_lib.collect_segments(

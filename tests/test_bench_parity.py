@@ -15,12 +15,12 @@ def test_run_configs_differ_only_in_the_pipeline(levels):
   for name, k in (("k0", 0), ("k4", 4)):
     c = parity.run_config(base, 4, name, levels)
     config_checks.validate(c)
-    assert (c.pipeline.mode, c.pipeline.max_staleness, c.ppo.correction) == (
+    assert (c.pipeline.mode, c.pipeline.max_staleness, c.rl.correction) == (
         "async", k, "decoupled")
     assert c.pipeline.streamer == c.pipeline.rollout_async == (levels == "full")
     # The RL settings are the sync run's (full: the streamer's one pass, for every run).
-    assert c.ppo.num_epochs == sync.ppo.num_epochs == (1 if levels == "full" else 2)
-    assert c.ppo.learning_rate == sync.ppo.learning_rate == base.ppo.learning_rate
+    assert c.rl.num_epochs == sync.rl.num_epochs == (1 if levels == "full" else 2)
+    assert c.rl.learning_rate == sync.rl.learning_rate == base.rl.learning_rate
   assert base.pipeline.mode == "sync_colocated"  # (the base is not modified)
   with pytest.raises(ValueError, match="'sync' or 'kN'"):
     parity.run_config(base, 4, "4", levels)
@@ -31,7 +31,7 @@ def test_runs_the_config_cannot_make_are_refused_before_any_runs():
   base = maniskill.get_config("flow_rl_short")  # 16 envs / 8 per item: 2 items, 4 minibatches
   parity.check_runs(base, [0, 1], [parity.SYNC, "k4"], "l1", 2)
   with pytest.raises(ValueError, match=r"--pipelines=k4 \(--levels=full\): "
-                                       r"config.ppo.num_minibatches"):
+                                       r"config.rl.num_minibatches"):
     parity.check_runs(base, [0, 1], [parity.SYNC, "k4"], "full", 2)
   base.pipeline.micro_batch_segments = 2
   parity.check_runs(base, [0, 1], [parity.SYNC, "k4"], "full", 2)

@@ -22,7 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _TINY = ("--updates=1", "--warmup=1", "--modes=sync_colocated", "--config.num_envs=2",
-         "--config.env_workers=0", "--config.rollout_len=2", "--config.ppo.num_minibatches=1",
+         "--config.env_workers=0", "--config.rollout_len=2", "--config.rl.num_minibatches=1",
          "--config.env.latency_ms=0", "--config.pipeline.micro_batch_segments=2",
          "--config.pipeline.b_max=2", "--process_timeout_s=500")
 

@@ -205,16 +205,16 @@ def test_damaged_latest_checkpoint_falls_back_and_mismatch_names_the_path(tmp_pa
 
 
 def test_another_optimizer_is_named_not_taken_for_damage(tmp_path, smoke_config, trained):
-  """The same model with a separate critic optimizer (``ppo.value_learning_rate``): the
+  """The same model with a separate critic optimizer (``rl.value_learning_rate``): the
   params fit but the optimizer state's tree does not. One error naming the step, the
   first differing path and the settings, instead of every step reported damaged."""
   pol, _, directory = _two_steps(tmp_path, trained)
-  smoke_config.ppo.value_learning_rate = 3e-4
+  smoke_config.rl.value_learning_rate = 3e-4
   abstract = _abstract_state(pol, smoke_config)
   ckpt = checkpoint_lib.Checkpointer(directory, max_to_keep=3)
   with pytest.raises(checkpoint_lib.CheckpointError,
                      match=r"^checkpoint 2 in .* does not fit this run's optimizer: "
-                           r"(the checkpoint has )?opt_state/\S+ .*ppo\.value_learning_rate.*"
+                           r"(the checkpoint has )?opt_state/\S+ .*rl\.value_learning_rate.*"
                            r" \(hint\)$") as info:
     ckpt.restore_latest(abstract, " (hint)")
   assert "damaged" not in str(info.value) and "\n" not in str(info.value)

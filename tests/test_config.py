@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -46,7 +47,7 @@ def test_every_default_field_is_set_with_a_comment():
   defaults_src = open(os.path.join(ROOT, "jaxvla", "defaults.py")).read().splitlines()
   data_src = open(os.path.join(ROOT, "jaxvla", "data", "config.py")).read().splitlines()
   paths = _leaf_paths(default.get_config().to_dict())
-  assert len(paths) > 100 and "ppo.clip_eps" in paths, len(paths)
+  assert len(paths) > 100 and "rl.clip_eps" in paths, len(paths)
   errors = []
   for path in paths:
     if path.startswith("data."):
@@ -62,7 +63,7 @@ def test_every_default_field_is_set_with_a_comment():
 
 
 def test_unknown_key_fails_naming_it():
-  r = run_main("--config=configs/default.py", "--config.ppo.learnin_rate=0.1")
+  r = run_main("--config=configs/default.py", "--config.rl.learnin_rate=0.1")
   assert r.returncode != 0
   assert "learnin_rate" in r.stderr
 
@@ -72,10 +73,16 @@ def test_moved_key_fails_naming_the_new_one():
   assert r.returncode == 1
   assert r.stderr.strip().splitlines()[-1] == (
       "error: config.ppo.algorithm has moved to config.algorithm; set that instead")
-  c = default.get_config()  # A config file written for the old layout.
-  c.ppo.grpo_scale = False
-  with pytest.raises(ValueError, match=r"^config\.ppo\.grpo_scale has moved to config\.grpo\.scale"):
-    config_checks.validate(c)
+  r = run_main("--config=configs/default.py", "--config.ppo.learning_rate=1e-5")
+  assert r.returncode == 1
+  assert r.stderr.strip().splitlines()[-1] == (
+      "error: config.ppo.learning_rate has moved to config.rl.learning_rate; set that instead")
+  for old, new in (("grpo_scale", r"grpo\.scale"), ("num_epochs", r"rl\.num_epochs")):
+    c = default.get_config()  # A config file written for the old layout.
+    with c.unlocked():
+      c.ppo = ml_collections.ConfigDict({old: 1})
+    with pytest.raises(ValueError, match=rf"^config\.ppo\.{old} has moved to config\.{new}"):
+      config_checks.validate(c)
 
 
 def test_wrong_type_fails_naming_it():
@@ -93,7 +100,7 @@ def test_locked_config_rejects_new_fields():
   c = default.get_config()
   c.lock()
   with pytest.raises(AttributeError):
-    c.ppo.learnin_rate = 0.1
+    c.rl.learnin_rate = 0.1
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -103,25 +110,25 @@ def test_locked_config_rejects_new_fields():
     ("model.eval_sampler", "latent_mean", "config.model.eval_sampler"),
     ("model.eval_sampler", "residual_mean", "config.model.eval_sampler"),
     ("model.eval_sampler", "sde", "config.model.eval_sampler"),
-    ("ppo.num_minibatches", 7, "config.ppo.num_minibatches"),
+    ("rl.num_minibatches", 7, "config.rl.num_minibatches"),
     ("model.chunk_len", 500, "config.model.chunk_len"),
     ("env.group_size", 3, "config.env.group_size"),
     ("mesh.tensor", 0, "config.mesh.tensor"),
-    ("ppo.ratio", "token", "config.ppo.ratio"),
-    ("ppo.value_targets", "critic", "config.ppo.value_targets"),
-    ("ppo.step_scale", "adaptive", "config.ppo.step_scale"),
-    ("ppo.adam_b1", 1.0, "config.ppo.adam_b1"),
-    ("ppo.behaviour_clip", 0.5, "config.ppo.behaviour_clip"),
+    ("rl.ratio", "token", "config.rl.ratio"),
+    ("rl.value_targets", "critic", "config.rl.value_targets"),
+    ("rl.step_scale", "adaptive", "config.rl.step_scale"),
+    ("rl.adam_b1", 1.0, "config.rl.adam_b1"),
+    ("rl.behaviour_clip", 0.5, "config.rl.behaviour_clip"),
     ("bc.lr_schedule", "linear", "config.bc.lr_schedule"),
     ("model.sde_steps", "two", "config.model.sde_steps"),
     ("model.log_prob_steps", "max", "config.model.log_prob_steps"),
-    ("ppo.value_loss", "l1", "config.ppo.value_loss"),
-    ("ppo.is_clip_mode", "clip", "config.ppo.is_clip_mode"),
-    ("ppo.huber_delta", 0.0, "config.ppo.huber_delta"),
-    ("ppo.value_clip", -0.2, "config.ppo.value_clip"),
-    ("ppo.value_learning_rate", -1e-4, "config.ppo.value_learning_rate"),
-    ("ppo.critic_warmup_steps", -1, "config.ppo.critic_warmup_steps"),
-    ("ppo.lr_schedule", "cosine", "config.ppo.lr_schedule"),
+    ("rl.value_loss", "l1", "config.rl.value_loss"),
+    ("rl.is_clip_mode", "clip", "config.rl.is_clip_mode"),
+    ("rl.huber_delta", 0.0, "config.rl.huber_delta"),
+    ("rl.value_clip", -0.2, "config.rl.value_clip"),
+    ("rl.value_learning_rate", -1e-4, "config.rl.value_learning_rate"),
+    ("rl.critic_warmup_steps", -1, "config.rl.critic_warmup_steps"),
+    ("rl.lr_schedule", "cosine", "config.rl.lr_schedule"),
     ("pipeline.min_bucket", 0, "config.pipeline.min_bucket"),
     ("pipeline.min_bucket", 99, "config.pipeline.min_bucket"),
 ])
@@ -138,8 +145,8 @@ def test_inconsistent_values_name_the_key(key, value, match):
 
 def test_a_linear_rl_schedule_needs_ppo():
   c = default.get_config()
-  c.algorithm, c.ppo.lr_schedule = "grpo", "linear"
-  with pytest.raises(ValueError, match="config.ppo.lr_schedule='linear' needs PPO"):
+  c.algorithm, c.rl.lr_schedule = "grpo", "linear"
+  with pytest.raises(ValueError, match="config.rl.lr_schedule='linear' needs PPO"):
     config_checks.validate(c)
 
 
@@ -152,7 +159,7 @@ def test_one_sde_step_needs_a_gaussian_flow_sampler():
 
 def test_kl_detail_needs_ppo_on_a_gaussian_flow_and_the_epochs_update():
   c = default.get_config()
-  c.ppo.kl_detail_rows = c.num_envs * c.rollout_len  # (every row: allowed)
+  c.rl.kl_detail_rows = c.num_envs * c.rollout_len  # (every row: allowed)
   config_checks.validate(c)
   bad = [(dict(kl_detail_rows=c.num_envs * c.rollout_len + 1), "must be in \\[0, num_envs"),
          (dict(algorithm="grpo"), "GRPO's rows"),
@@ -160,15 +167,15 @@ def test_kl_detail_needs_ppo_on_a_gaussian_flow_and_the_epochs_update():
          (dict(streamer=True), "streamed learner")]
   for change, match in bad:
     c = default.get_config()
-    c.ppo.kl_detail_rows = change.pop("kl_detail_rows", 4)
+    c.rl.kl_detail_rows = change.pop("kl_detail_rows", 4)
     if change.pop("algorithm", None):
       c.algorithm, c.env.group_size = "grpo", 2
     if change.pop("train_sampler", None):
       c.model.train_sampler, c.model.eval_sampler = "residual", "residual_mean"
     if change.pop("streamer", None):
       c.pipeline.update(mode="async", streamer=True, rollout_async=False)
-      c.ppo.update(num_epochs=1, advantage_norm="none")
-    with pytest.raises(ValueError, match="config.ppo.kl_detail_rows.*" + match):
+      c.rl.update(num_epochs=1, advantage_norm="none")
+    with pytest.raises(ValueError, match="config.rl.kl_detail_rows.*" + match):
       config_checks.validate(c)
 
 

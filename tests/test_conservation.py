@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FLAGS = {  # Every async level, an env pool, a checkpoint after every update.
     "pipeline.mode": "async", "pipeline.train_async": True, "pipeline.rollout_async": True,
     "pipeline.streamer": True, "pipeline.micro_batch_segments": 2, "pipeline.max_staleness": 1,
-    "ppo.num_epochs": 1, "ppo.advantage_norm": "none", "env_workers": 2,
+    "rl.num_epochs": 1, "rl.advantage_norm": "none", "env_workers": 2,
     # A hang is found within 10 s (the timeout caps 10x the slowest chunk so far).
     "env_step_timeout_s": 10.0, "env_hang_floor_s": 4.0,
     "checkpoint.every_iters": 1, "checkpoint.max_to_keep": 3, "eval.every_iters": 1000,
@@ -200,7 +200,7 @@ def test_every_env_step_is_accounted_for_through_faults_and_a_resume(tmp_path, s
   assert step >= 4 and int(saved.step) == meta["iteration"] == step
   adam_counts = {int(x) for p, x in jax.tree_util.tree_leaves_with_path(saved.opt_state)
                  if "count" in jax.tree_util.keystr(p)}
-  assert adam_counts == {int(saved.step) * smoke_config.ppo.num_minibatches}, adam_counts
+  assert adam_counts == {int(saved.step) * smoke_config.rl.num_minibatches}, adam_counts
   at_ckpt = ledger_lib.Ledger.from_meta(meta["ledger"])
   assert at_ckpt.trained_env_steps + at_ckpt.dropped_env_steps == meta["env_steps"]
   # Async with a queue: data was in flight when the checkpoint was written.

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from jaxvla.algorithms import gae, ppo
+from jaxvla.learner import algorithm as algorithm_lib
 from jaxvla.learner import objectives
 from jaxvla.learner import update as update_lib
 from jaxvla.models import contract
@@ -239,13 +240,13 @@ def test_value_loss_huber_and_clip_match_numpy(value_loss, value_clip):
 
 
 def test_critic_learning_rate_and_warmup():
-  """ppo.value_learning_rate and ppo.critic_warmup_steps: the critic (rl/value_*) has its
+  """rl.value_learning_rate and rl.critic_warmup_steps: the critic (rl/value_*) has its
   own Adam and step size, and the actor stands still for the warm-up's steps."""
-  from jaxvla.learner import learner as learner_lib  # pylint: disable=import-outside-toplevel
+  from jaxvla.learner import optimizers  # pylint: disable=import-outside-toplevel
   params = {"rl": {"value_out": {"kernel": jnp.zeros(3)}, "std_out": {"kernel": jnp.zeros(3)}},
             "action_out_proj": {"kernel": jnp.zeros(3)}}
   grads = jax.tree.map(lambda x: x + 1e-3, params)
-  tx = learner_lib.make_optimizer(1e-5, 1.0, critic_learning_rate=1e-3, critic_warmup_steps=2)
+  tx = optimizers.make_optimizer(1e-5, 1.0, critic_learning_rate=1e-3, critic_warmup_steps=2)
   state = tx.init(params)
   moved = []
   for _ in range(3):
@@ -258,28 +259,28 @@ def test_critic_learning_rate_and_warmup():
       np.testing.assert_allclose(leaf, actor, rtol=1e-3, atol=1e-12)
   # Neither: one Adam over all, the optimizer state of earlier checkpoints.
   one_adam = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-5))
-  assert jax.tree.structure(learner_lib.make_optimizer(1e-5, 1.0).init(params)) == (
+  assert jax.tree.structure(optimizers.make_optimizer(1e-5, 1.0).init(params)) == (
       jax.tree.structure(one_adam.init(params)))
 
 
 def test_linear_rl_schedule_decays_the_actor_to_zero_over_the_budget():
-  """ppo.lr_schedule='linear': the budget's optimizer steps counted from the config, the
+  """rl.lr_schedule='linear': the budget's optimizer steps counted from the config, the
   actor's Adam step falling from the learning rate to 0 over them after the critic's
   warm-up, the critic's at its own constant step."""
   from jaxvla import defaults  # pylint: disable=import-outside-toplevel
-  from jaxvla.learner import learner as learner_lib  # pylint: disable=import-outside-toplevel
+  from jaxvla.learner import optimizers  # pylint: disable=import-outside-toplevel
   c = defaults.get_config()
   c.num_envs, c.rollout_len, c.model.chunk_len = 4, 3, 5  # 60 env steps per update
-  c.total_env_steps, c.ppo.num_epochs, c.ppo.num_minibatches = 590, 2, 3  # 10 updates
-  assert learner_lib.rl_optimizer_steps(c) == 10 * 2 * 3
-  assert learner_lib.rl_optimizer_steps(c, num_processes=2) == 5 * 2 * 3
-  assert learner_lib.rl_decay_steps(c) == 0  # 'constant'
-  c.ppo.lr_schedule, c.ppo.critic_warmup_steps = "linear", 20
-  assert learner_lib.rl_decay_steps(c) == 40
+  c.total_env_steps, c.rl.num_epochs, c.rl.num_minibatches = 590, 2, 3  # 10 updates
+  assert optimizers.rl_optimizer_steps(c) == 10 * 2 * 3
+  assert optimizers.rl_optimizer_steps(c, num_processes=2) == 5 * 2 * 3
+  assert optimizers.rl_decay_steps(c) == 0  # 'constant'
+  c.rl.lr_schedule, c.rl.critic_warmup_steps = "linear", 20
+  assert optimizers.rl_decay_steps(c) == 40
   params = {"rl": {"value_out": {"kernel": jnp.zeros(3)}}, "action_out_proj": {"kernel": jnp.zeros(3)}}
   grads = jax.tree.map(lambda x: x + 1e-3, params)
-  tx = learner_lib.make_optimizer(1e-5, 1.0, critic_learning_rate=1e-3, critic_warmup_steps=2,
-                                  decay_steps=4)
+  tx = optimizers.make_optimizer(1e-5, 1.0, critic_learning_rate=1e-3, critic_warmup_steps=2,
+                                 decay_steps=4)
   state = tx.init(params)
   actor, critic = [], []
   for _ in range(8):
@@ -290,7 +291,7 @@ def test_linear_rl_schedule_decays_the_actor_to_zero_over_the_budget():
                              atol=1e-12)
   np.testing.assert_allclose(critic, 1e-3, rtol=1e-3)
   # One Adam over all (no critic settings): everything decays.
-  tx = learner_lib.make_optimizer(1e-5, 1.0, decay_steps=2)
+  tx = optimizers.make_optimizer(1e-5, 1.0, decay_steps=2)
   state, moved = tx.init(params), []
   for _ in range(3):
     updates, state = tx.update(grads, state, params)
@@ -320,7 +321,7 @@ class _FixedLogProbs:
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_mean_ratio_is_the_geometric_mean_of_the_terms(algorithm):
-  """``ppo.ratio='mean'``: the loss and its gradient are PPO's on log-probs / terms."""
+  """``rl.ratio='mean'``: the loss and its gradient are PPO's on log-probs / terms."""
   rng = np.random.default_rng(3)
   n = 8
   new_lp = jnp.asarray(rng.normal(size=n) * 30, jnp.float32)  # Joint log-ratios of ~30.
@@ -329,8 +330,9 @@ def test_mean_ratio_is_the_geometric_mean_of_the_terms(algorithm):
       ratio="mean", advantage_norm="none", gamma=0.99, gae_lambda=0.95,
       clip_eps=0.2, value_coef=0.0, entropy_coef=0.0, correction="none", is_clip=0.0,
       behaviour_clip=0.0, **CRITIC))
-  objective = objectives.make_objective(_FixedLogProbs(), ml_collections.ConfigDict(dict(
-      algorithm=algorithm, ppo=cfg, grpo=dict(loss_normalizer="chunks"))))
+  objective = algorithm_lib.get(algorithm).objective(
+      _FixedLogProbs(), ml_collections.ConfigDict(dict(
+          algorithm=algorithm, rl=cfg, grpo=dict(loss_normalizer="chunks"))))
   if algorithm == "ppo":
     rows = dict(batch={}, chain=jnp.zeros(n), log_prob=old_lp, adv=adv, returns=jnp.zeros(n),
                 value=jnp.zeros(n))
@@ -348,7 +350,7 @@ def test_mean_ratio_is_the_geometric_mean_of_the_terms(algorithm):
   _, metrics = objective.loss(dict(lp=new_lp), rows, weights)
   # Per-term log-ratios of ~0.2: some inside the clip (a joint ratio would clip them all).
   assert 0.0 < float(metrics["clip_frac"]) < 1.0
-  with pytest.raises(ValueError, match="config.ppo.ratio"):
+  with pytest.raises(ValueError, match="config.rl.ratio"):
     ppo.log_prob_scale("token", 160)
 
 
@@ -366,7 +368,7 @@ class _TableCritic:
 
 @pytest.mark.parametrize("value_targets", ["rollout", "learner", "vtrace"])
 def test_learner_value_targets_and_staleness_diagnostics(value_targets):
-  """``ppo.value_targets='learner'``: GAE from the proximal critic (the rollout's
+  """``rl.value_targets='learner'``: GAE from the proximal critic (the rollout's
   bootstrap values kept); either way the update logs the behaviour -> proximal KL,
   value and advantage drift, split into fresh (current version) and stale rows."""
   from jaxvla import types  # pylint: disable=import-outside-toplevel
@@ -418,7 +420,7 @@ def test_learner_value_targets_and_staleness_diagnostics(value_targets):
 
 class _OneStep:
   """One decoupled-PPO optimizer step (plain SGD) of a table critic on a fixed batch:
-  ``(params change, metrics)`` for a ``ppo.step_scale``, the behaviour log-probs and the
+  ``(params change, metrics)`` for a ``rl.step_scale``, the behaviour log-probs and the
   rows' policy versions, at the learner's ``version``."""
 
   def __init__(self, seed: int):
@@ -458,7 +460,7 @@ class _OneStep:
 
 
 def test_ess_step_scale_shrinks_the_step_by_the_weights_effective_sample_size():
-  """``ppo.step_scale='ess'``: one optimizer step moves the params by
+  """``rl.step_scale='ess'``: one optimizer step moves the params by
   ``mean(w)^2 / mean(w^2)`` of the step 'none' takes (w: the applied decoupled
   weights), and by exactly that step on fresh data (all weights 1)."""
   step = _OneStep(11)
@@ -475,12 +477,12 @@ def test_ess_step_scale_shrinks_the_step_by_the_weights_effective_sample_size():
   fresh = np.asarray(params["lp"]).reshape(t_len, b)  # Behaviour = proximal: w = 1.
   for a, b_ in zip(jax.tree.leaves(step("none", fresh)[0]), jax.tree.leaves(step("ess", fresh)[0])):
     np.testing.assert_allclose(a, b_, rtol=1e-6)
-  with pytest.raises(ValueError, match="config.ppo.step_scale"):
+  with pytest.raises(ValueError, match="config.rl.step_scale"):
     ppo.step_scale("adaptive", dict(is_weight=1.0, is_weight_sq=1.0))
 
 
 def test_staleness_step_scale_shrinks_steps_staler_than_two_versions():
-  """``ppo.step_scale='staleness'``: a step whose rows are on average ``lag`` versions
+  """``rl.step_scale='staleness'``: a step whose rows are on average ``lag`` versions
   behind the learner moves the params by ``min(1, 2 / lag)`` of the step 'none' takes;
   ``lag`` is logged per step."""
   step = _OneStep(12)
@@ -551,8 +553,8 @@ def test_per_term_rows_and_their_fresh_gradient_equal_the_joint_ones(smoke_confi
   traj = trajectories.sampled(pol, env, params)
   grads = {}
   for ratio in ("joint", "per_term_correction"):
-    smoke_config.ppo.ratio = ratio
-    rows = objectives.PPOObjective(pol, smoke_config.ppo).rows(traj)
+    smoke_config.rl.ratio = ratio
+    rows = objectives.PPOObjective(pol, smoke_config.rl).rows(traj)
     lrn = learner_lib.Learner(pol, smoke_config)
     grads[ratio], metrics = lrn.micro_grads(params, traj, traj.num_rows)
     assert np.isfinite(float(metrics["loss"]))
@@ -565,8 +567,8 @@ def test_per_term_rows_and_their_fresh_gradient_equal_the_joint_ones(smoke_confi
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads["joint"])) > 1e-3
   # A whole update of two minibatches: the proximal pass's per-term log-probs line up
   # with the rows (the second minibatch's ratio is off 1, the first's weights are 1).
-  # With ppo.kl_detail_rows, the update's KL per denoise step and per executed dim.
-  smoke_config.ppo.update(num_epochs=1, num_minibatches=2, kl_detail_rows=n // 2)
+  # With rl.kl_detail_rows, the update's KL per denoise step and per executed dim.
+  smoke_config.rl.update(num_epochs=1, num_minibatches=2, kl_detail_rows=n // 2)
   lrn = learner_lib.Learner(pol, smoke_config)
   state = learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(1))
   _, metrics = lrn.update(state, traj)
@@ -641,7 +643,7 @@ def test_update_kl_detail_per_step_and_dim_against_numpy(one):
     np.testing.assert_allclose(got[f"update_kl/dim{d}"], kl_dim[d], rtol=1e-4)
   if one:
     assert got["update_kl/step1"] == 0 and count[1] == 0
-  with pytest.raises(ValueError, match=r"ppo.kl_detail_rows=13 must be in \[1, 12\]"):
+  with pytest.raises(ValueError, match=r"rl.kl_detail_rows=13 must be in \[1, 12\]"):
     update_lib.update_kl_detail(_StepGaussians(num_steps, one), before, after, rows, 13)
 
 

@@ -13,6 +13,7 @@ from configs import default
 from jaxvla import types
 from jaxvla.envs import builtin, protocol
 from jaxvla.learner import learner as learner_lib
+from jaxvla.learner import optimizers as optimizers_lib
 from jaxvla.learner import objectives
 from jaxvla.models import contract
 from jaxvla.models import policy as policy_lib
@@ -151,7 +152,7 @@ def _config(loss_normalizer="trajectory", **ppo):
   c.env.max_episode_steps, c.env.max_speed = 15, 0.5
   c.env.goal_radius = c.env.wrong_target_radius = 0.35
   c.algorithm, c.grpo.loss_normalizer = "grpo", loss_normalizer
-  c.ppo.update(ppo)
+  c.rl.update(ppo)
   return c
 
 
@@ -234,7 +235,7 @@ def test_grpo_update_changes_params():
   assert metrics["episode_length_mean"] == eb.mask.sum(0).mean()
   moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), new_state.params, params)
   assert max(jax.tree.leaves(moved)) > 0
-  with pytest.raises(ValueError, match="ppo.num_minibatches=3"):
+  with pytest.raises(ValueError, match="rl.num_minibatches=3"):
     bad = _config(num_minibatches=3)
     learner_lib.Learner(pol, bad).update(new_state, eb)
 
@@ -294,7 +295,7 @@ def test_streamed_grpo_equals_the_update(monkeypatch, normalizer, ratio):
   does not depend on the network, and its compiles take a second, not 20).
   Adam's eps is 1e-3 (see test_pipeline's streamer test for why).
   """
-  monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip, b1=0.9, **_: optax.chain(
+  monkeypatch.setattr(optimizers_lib, "make_optimizer", lambda lr, clip, b1=0.9, **_: optax.chain(
       optax.clip_by_global_norm(clip), optax.adam(lr, b1=b1, eps=1e-3)))
   _, _, _, items, _ = _collect()
   eb0 = items[0].data
@@ -309,7 +310,7 @@ def test_streamed_grpo_equals_the_update(monkeypatch, normalizer, ratio):
   eb = types.concat(groups)
   assert np.abs(eb.advantage).max() > 0.5  # (Else there would be no gradient.)
   if ratio != "joint":  # Rows of the executed dims' log-probs: [E, K, H * A].
-    rows = objectives.GRPOObjective(pol, c.ppo, c.grpo.loss_normalizer).rows(eb)
+    rows = objectives.GRPOObjective(pol, c.rl, c.grpo.loss_normalizer).rows(eb)
     assert rows["log_prob"].shape == eb.log_prob.T.shape + (pol.action_size,)
   ref_state, ref_metrics = lrn.update(jax.device_put(state0), eb)
   state = jax.device_put(state0)

@@ -44,9 +44,10 @@ def test_async_learning_matches_sync(tmp_path):
   pair of 256-episode evaluations has a binomial std of about 0.02 in its difference at
   these rates, so one pair is held to 0.08. With the per-term correction (the default)
   this pair ended 0.035 below sync; with the joint ratio 0.004 to 0.019, and 0.058 before
-  the behaviour clip (docs/design/pipeline.md "L1 and the test"). The async run must really be
+  the behaviour clip (docs/results/pipeline.md "L1 and the test"). The async run must really be
   off-policy at the bound: its mean staleness is checked. Staleness 4 is the hardest
-  setting the bar of docs/design/pipeline.md holds async to; its five-seed tables cover 1 and 2.
+  setting the bar of docs/design/pipeline.md holds async to; the five-seed tables of
+  docs/results/pipeline.md cover 1 and 2.
   """
   from configs import default  # pylint: disable=import-outside-toplevel
   base = default.get_config("parity")

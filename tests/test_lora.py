@@ -149,7 +149,7 @@ def test_starts_as_base_and_merge_equals_adapted(smoke_config, name, choice):
 def test_update_trains_only_adapters_and_heads(smoke_config):
   """A PPO update changes the adapters and the unfrozen rest, no frozen weight, and the
   optimizer state holds moments for the trained parameters only."""
-  smoke_config.ppo.num_minibatches = 1
+  smoke_config.rl.num_minibatches = 1
   env, pol = _policy(smoke_config, "both")
   params = jax.device_get(pol.init(jax.random.PRNGKey(0)))
   lrn = learner_lib.Learner(pol, smoke_config)
@@ -185,7 +185,7 @@ def test_update_trains_only_adapters_and_heads(smoke_config):
   # The streamed learner: gradients of the trained parameters only (its program's output
   # tree, traced and not compiled: the update above already ran the same loss).
   grads, _ = jax.eval_shape(
-      lambda p, t: update_lib.micro_grads(lrn.objective, smoke_config.ppo, p, t, t.num_rows,
+      lambda p, t: update_lib.micro_grads(lrn.objective, smoke_config.rl, p, t, t.num_rows,
                                           0, lrn.rl_trainable), new.params, traj)
   assert set(oi.flatten(grads)) == trained
 

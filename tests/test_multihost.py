@@ -138,8 +138,8 @@ def test_learner_split_over_two_processes_matches_one_process(tmp_path):
 # The two-process asynchronous run's settings (fully asynchronous: L1+L2+L3).
 _ASYNC = ("--config.pipeline.mode=async", "--config.pipeline.streamer=True",
           "--config.env_workers=2", "--config.pipeline.micro_batch_segments=2",
-          "--config.ppo.num_minibatches=2", "--config.ppo.num_epochs=1",
-          "--config.ppo.advantage_norm=none")
+          "--config.rl.num_minibatches=2", "--config.rl.num_epochs=1",
+          "--config.rl.advantage_norm=none")
 
 
 def _main_argv(workdir: str, port: int, i: int, *extra: str) -> list[str]:

@@ -88,7 +88,7 @@ def jax_ppo(d, correction, is_clip, behaviour_clip=0.0, weights="w", is_clip_mod
 
 
 def test_dropped_weights_match_numpy():
-  """ppo.is_clip_mode='drop': a chunk whose behaviour -> proximal weight exceeds is_clip
+  """rl.is_clip_mode='drop': a chunk whose behaviour -> proximal weight exceeds is_clip
   leaves the policy loss and its gradient (RLinf's behave_weight_threshold); the rest is
   the truncating correction's."""
   d = make_inputs(64)
@@ -100,7 +100,7 @@ def test_dropped_weights_match_numpy():
   np.testing.assert_allclose(g_new, ref_grad, rtol=1e-5, atol=1e-7)
   dropped = np.exp(d["prox"] - d["old"]) > 1.3
   assert dropped.any() and not dropped.all() and np.all(np.asarray(g_new)[dropped] == 0)
-  with pytest.raises(ValueError, match="config.ppo.is_clip_mode"):
+  with pytest.raises(ValueError, match="config.rl.is_clip_mode"):
     jax_ppo(d, "decoupled", 1.3, is_clip_mode="clip")
 
 
@@ -225,7 +225,7 @@ def test_per_term_ratios_match_numpy(correction, is_clip, behaviour_clip):
 
 
 def numpy_term_corrected(d, is_clip, behaviour_clip):
-  """Reference of ``ppo.ratio='per_term_correction'``: the chunk's ratio and clip, the
+  """Reference of ``rl.ratio='per_term_correction'``: the chunk's ratio and clip, the
   decoupled weights and behaviour clip per term. Metrics and d loss / d new ``[n, m]``."""
   new, old, prox, adv, w = d["new"], d["old"], d["prox"], d["adv"], d["w"]
   r = np.exp((new - prox).sum(-1))
@@ -315,17 +315,17 @@ def test_bad_arguments_are_named():
     loss(correction="decoupled")
   with pytest.raises(ValueError, match="is_clip"):
     loss(correction="truncated_is", is_clip=0.0)
-  with pytest.raises(ValueError, match=r"ppo.behaviour_clip must be 0 \(off\) or > 1, got 0.5"):
+  with pytest.raises(ValueError, match=r"rl.behaviour_clip must be 0 \(off\) or > 1, got 0.5"):
     loss(correction="decoupled", proximal_log_prob=x, behaviour_clip=0.5)
   with pytest.raises(ValueError, match="'bogus'.*chunks"):
     grpo.chunk_weights(np.ones((2, 3), bool), "bogus")
-  with pytest.raises(ValueError, match="config.ppo.ratio must be one of"):
+  with pytest.raises(ValueError, match="config.rl.ratio must be one of"):
     ppo.check_ratio("tokens")
 
 
-def test_loss_kwargs_read_the_ppo_config():
+def test_loss_kwargs_read_the_rl_config():
   from configs import default
-  cfg = default.get_config().ppo
+  cfg = default.get_config().rl
   cfg.correction, cfg.is_clip, cfg.behaviour_clip = "truncated_is", 2.0, 3.0
   kwargs = ppo.loss_kwargs(cfg)
   assert (kwargs["correction"], kwargs["is_clip"], kwargs["behaviour_clip"]) == (

@@ -198,6 +198,7 @@ def test_init_checkpoint_starts_the_run(tmp_path, smoke_config):
   from jaxvla.storage import checkpoint as checkpoint_lib
   from jaxvla import train
   from jaxvla.learner import learner as learner_lib
+  from jaxvla.learner import optimizers as optimizers_lib
   _, pol, written = _policy(smoke_config, "pi0", posemb="learn")
   written = jax.tree.map(lambda x: x + 0.01, written)  # Not what init(PRNGKey) gives.
   with ocp.PyTreeCheckpointer() as ckptr:
@@ -209,7 +210,7 @@ def test_init_checkpoint_starts_the_run(tmp_path, smoke_config):
   summary = train.train_and_evaluate(smoke_config, str(tmp_path / "run"))
   assert summary["iterations"] == 0 and summary["warm_start_success_rate"] is not None
   abstract = jax.eval_shape(lambda: learner_lib.init_state(
-      written, learner_lib.make_optimizer(1e-3, 1.0), jax.random.PRNGKey(0)))
+      written, optimizers_lib.make_optimizer(1e-3, 1.0), jax.random.PRNGKey(0)))
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "run" / "checkpoints"), 5)
   state, _ = ckpt.restore(0, abstract)
   ckpt.close()

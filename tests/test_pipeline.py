@@ -15,6 +15,7 @@ from configs import default
 from jaxvla import train, types
 from jaxvla.envs import builtin, make_vec_env, protocol
 from jaxvla.learner import learner as learner_lib
+from jaxvla.learner import optimizers as optimizers_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.rollout import rollout as rollout_lib
@@ -354,12 +355,12 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
   float32 rounding moves by +-lr depending on the rounding of two summation
   orders, which would test Adam's conditioning, not the accumulation.
   """
-  monkeypatch.setattr(learner_lib, "make_optimizer", lambda lr, clip, b1=0.9, **_: optax.chain(
+  monkeypatch.setattr(optimizers_lib, "make_optimizer", lambda lr, clip, b1=0.9, **_: optax.chain(
       optax.clip_by_global_norm(clip), optax.adam(lr, b1=b1, eps=1e-3)))
   c, env, pol, params, act, value = _setup(
-      num_envs=4, **{"ppo.num_epochs": 1, "ppo.num_minibatches": 2,
-                     "ppo.advantage_norm": "none", "ppo.correction": "decoupled",
-                     "ppo.value_targets": value_targets})
+      num_envs=4, **{"rl.num_epochs": 1, "rl.num_minibatches": 2,
+                     "rl.advantage_norm": "none", "rl.correction": "decoupled",
+                     "rl.value_targets": value_targets})
   builder = segments_lib.SegmentBuilder(c.num_envs, c.rollout_len, 1)
   ro = rollout_lib.Rollout(env, pol, act, value, lambda: (params, 0), builder,
                            jax.random.PRNGKey(1), seed=0)
@@ -411,8 +412,8 @@ def test_streamed_proximal_snapshot_keeps_the_rollout_dtype():
   bfloat16 too (half of full pi0's 12 GiB float32 copy), and the later minibatches are
   evaluated under exactly those rounded weights."""
   c, env, pol, params, act, value = _setup(
-      num_envs=4, **{"ppo.num_epochs": 1, "ppo.num_minibatches": 2,
-                     "ppo.correction": "decoupled", "pipeline.mode": "async",
+      num_envs=4, **{"rl.num_epochs": 1, "rl.num_minibatches": 2,
+                     "rl.correction": "decoupled", "pipeline.mode": "async",
                      "pipeline.rollout_dtype": "bfloat16"})
   builder = segments_lib.SegmentBuilder(c.num_envs, c.rollout_len, 1)
   ro = rollout_lib.Rollout(env, pol, act, value, lambda: (params, 0), builder,
@@ -486,7 +487,7 @@ def test_grpo_trains_end_to_end(tmp_path, switches, monkeypatch):
   c.env_workers = 2
   g = c.env.group_size = 2
   c.algorithm, c.grpo.loss_normalizer = "grpo", "constant"
-  c.ppo.update(num_epochs=1, num_minibatches=2, advantage_norm="none")
+  c.rl.update(num_epochs=1, num_minibatches=2, advantage_norm="none")
   c.bc.num_steps = 0  # RL from the fresh policy (the PPO runs above check the warm start)
   c.pipeline.update(switches)
   summary = train.train_and_evaluate(c, str(tmp_path / "grpo"))

@@ -15,7 +15,7 @@ import pytest
 from jaxvla import config_files, defaults
 from jaxvla.plan import costs as costs_lib
 from jaxvla.plan import engine, placement, profile, simulator
-from jaxvla.runtime import pipeline as pipeline_lib
+from jaxvla.runtime import modes as modes_lib
 from tests import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,9 +192,9 @@ def test_processes_on_one_machine_share_its_cores():
 def test_setup_reads_the_pipelines_own_switches():
   c = defaults.get_config()
   c.env_workers = 4
-  for mode in pipeline_lib.MODES:
+  for mode in modes_lib.MODES:
     c.pipeline.mode = mode
-    levels = pipeline_lib.Levels.from_config(c.pipeline)
+    levels = modes_lib.Levels.from_config(c.pipeline)
     s = simulator.Setup.from_config(c)
     assert (s.train_async, s.rollout_async, s.streamer, s.separate_params) == (
         levels.train_async, levels.rollout_async, levels.streamer, levels.separate_params)
@@ -321,7 +321,7 @@ def test_the_command_simulates_a_config_from_a_costs_file(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "jaxvla.plan", "--config=configs/default.py:bench",
        "--config.pipeline.mode=async", "--config.pipeline.streamer=True",
-       "--config.ppo.num_epochs=1", "--config.ppo.advantage_norm=none", f"--costs={path}",
+       "--config.rl.num_epochs=1", "--config.rl.advantage_norm=none", f"--costs={path}",
        "--updates=3"], cwd=ROOT, capture_output=True, text=True,
       check=True).stdout
   result = json.loads(out.strip().splitlines()[-1])

@@ -14,6 +14,7 @@ from configs import default
 from jaxvla import metrics as metrics_lib
 from jaxvla import train
 from jaxvla.envs import builtin
+from jaxvla.learner import guard as guard_lib
 from jaxvla.learner import learner as learner_lib
 from jaxvla.learner import update as update_lib
 from jaxvla.models import policy as policy_lib
@@ -36,7 +37,7 @@ def test_non_finite_bc_step_is_not_applied(smoke_config):
   bad = np.full((2, pol.chunk_len, 2), np.nan, np.float32)
   state, metrics = lrn.bc_step(state, batch, bad)
   assert float(metrics["nonfinite"]) != 0
-  assert "loss" in learner_lib.describe_nonfinite(float(metrics["nonfinite"]))
+  assert "loss" in guard_lib.describe_nonfinite(float(metrics["nonfinite"]))
   jax.tree.map(np.testing.assert_array_equal, host(state.params), before)  # Not applied.
   assert int(state.step) == 1
   good = np.zeros((2, pol.chunk_len, 2), np.float32)
@@ -85,7 +86,7 @@ def _guarded_update(x: np.ndarray, lr: float):
     return value, dict(loss=value)
   objective = SimpleNamespace(rows=lambda data: rows, weights=lambda mb: jnp.full(2, 0.5),
                               loss=loss, batch_metrics=lambda data, rows: {})
-  cfg = default.get_config("smoke").ppo
+  cfg = default.get_config("smoke").rl
   cfg.update(num_epochs=1, num_minibatches=4, correction="none", value_targets="rollout",
              target_kl=0.0, step_scale="none")
   tx = optax.sgd(lr)
@@ -108,7 +109,7 @@ def test_a_non_finite_step_is_not_applied_nor_any_after_it_in_the_update():
   expected = 1.0 - 0.1 * sum(x[mb].mean() for mb in order[:bad])
   np.testing.assert_allclose(w, expected, rtol=1e-6)
   assert int(metrics["nonfinite"]) == 1 | 2
-  assert learner_lib.describe_nonfinite(float(metrics["nonfinite"])) == "loss, gradient norm"
+  assert guard_lib.describe_nonfinite(float(metrics["nonfinite"])) == "loss, gradient norm"
   np.testing.assert_allclose(metrics["skipped"], (4 - bad) / 4)
   w, metrics, _ = _guarded_update(np.arange(1.0, 9.0, dtype=np.float32), lr=0.1)
   assert int(metrics["nonfinite"]) == 0 and float(metrics["skipped"]) == 0
@@ -120,7 +121,7 @@ def test_a_non_finite_step_is_not_applied_nor_any_after_it_in_the_update():
 
 
 def test_divergence_guard_stops_after_max_bad_in_a_row(caplog):
-  guard = learner_lib.DivergenceGuard(3, "RL update")
+  guard = guard_lib.DivergenceGuard(3, "RL update")
   with caplog.at_level(logging.WARNING):
     guard.check(1.0, 1)
     guard.check(0.0, 2)  # A finite update resets the count.
@@ -135,10 +136,10 @@ def test_divergence_guard_stops_after_max_bad_in_a_row(caplog):
   with pytest.raises(FloatingPointError,
                      match=r"RL update 1: non-finite loss, updated parameters; the params are "
                            r"not finite, the run stops"):
-    learner_lib.DivergenceGuard(3, "RL update").check(5.0, 1)
+    guard_lib.DivergenceGuard(3, "RL update").check(5.0, 1)
   c = default.get_config("smoke")
-  c.ppo.max_bad_updates = 0
-  with pytest.raises(ValueError, match="config.ppo.max_bad_updates"):
+  c.rl.max_bad_updates = 0
+  with pytest.raises(ValueError, match="config.rl.max_bad_updates"):
     from jaxvla import config_checks  # pylint: disable=import-outside-toplevel
     config_checks.validate(c)
 
@@ -150,9 +151,9 @@ def test_diverging_run_stops_and_keeps_finite_checkpoints(tmp_path, smoke_config
   # Diverges within update 1 whatever the warm start: its first minibatch step moves the
   # params by ~lr, and the next minibatch's forward pass overflows. (The finding's 1e3
   # diverged from the earlier warm start only; LayerNorm keeps some huge params finite.)
-  c.ppo.learning_rate = 1e37
+  c.rl.learning_rate = 1e37
   c.checkpoint.every_iters = 1
-  c.ppo.max_bad_updates = 1  # (the count in a row: test_divergence_guard_stops_after_...)
+  c.rl.max_bad_updates = 1  # (the count in a row: test_divergence_guard_stops_after_...)
   c.pipeline.update(mode="async", train_async=True, rollout_async=False)
   workdir = str(tmp_path / "run")
   with pytest.raises(FloatingPointError, match=r"RL update 1: non-finite .*; 1 in a row, the run stops"):

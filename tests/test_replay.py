@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxvla import defaults, metrics, replay_diff
-from jaxvla import train
+from jaxvla.runtime import replay as replay_lib
 from jaxvla.runtime import schedule as schedule_lib
 from tests import conftest
 
@@ -39,7 +39,7 @@ _FLAGS = {
     "env_workers": 4, "env.latency_ms": 2.0, "env.latency_sigma": 1.0,
     "pipeline.mode": "async", "pipeline.streamer": True,
     "pipeline.micro_batch_segments": 2, "pipeline.max_staleness": 2,
-    "ppo.num_epochs": 1, "ppo.num_minibatches": 2, "ppo.advantage_norm": "none",
+    "rl.num_epochs": 1, "rl.num_minibatches": 2, "rl.advantage_norm": "none",
     "total_env_steps": 4000, "checkpoint.every_iters": 4, "eval.every_iters": 6,
 }
 
@@ -101,7 +101,7 @@ def _learning_records(workdir: str) -> tuple[list[dict], list[dict]]:
   """Every update's learner metrics and env-step counts, and every evaluation (the
   timing and window metrics describe the machine, not the learning: left out)."""
   session = schedule_lib.Session(schedule_lib.session_path(workdir, 0))
-  keys = [*session.updates[0]["metrics"], "env_steps", "dropped_env_steps"]
+  keys = [*session.updates[0].metrics, "env_steps", "dropped_env_steps"]
   train_rows = [{k: r[k] for k in keys} for r in metrics.records(workdir, "train")]
   evals = [{k: v for k, v in r.items() if k != "time"}
            for r in metrics.records(workdir, "eval")]
@@ -120,7 +120,7 @@ def test_an_async_run_with_a_fault_and_a_resume_replays_bit_for_bit(tmp_path):
   first = schedule_lib.Session(schedule_lib.session_path(run, 0))
   assert [r.why for r in first.restart_records] == ["died"], first.restart_records
   assert first.end == "interrupted"
-  batches = {len(s["recv"]) for s in first.steps if "recv" in s}
+  batches = {len(s.recv) for s in first.steps if s.recv is not None}
   assert len(batches) > 1, f"first-ready batches all of one size {batches}: not a test of it"
 
   # The replay: the first session, then (resumed) the second.
@@ -187,28 +187,28 @@ def test_a_replay_refuses_a_changed_config_its_own_workdir_and_several_processes
   (run / "schedule").mkdir(parents=True)
   (run / "config.json").write_text(defaults.get_config().to_json_best_effort())
   schedule_lib.Recorder(schedule_lib.session_path(str(run), 0), iteration=0).close()
-  with pytest.raises(ValueError, match=r"differs: config.ppo.learning_rate: 0.0001 -> 0.001"):
-    train._check_replay(_config(replay=str(run), **{"ppo.learning_rate": 1e-3}),
+  with pytest.raises(ValueError, match=r"differs: config.rl.learning_rate: 0.0001 -> 0.001"):
+    replay_lib.check_request(_config(replay=str(run), **{"rl.learning_rate": 1e-3}),
                         str(tmp_path / "b"))
   with pytest.raises(ValueError, match="is the --workdir"):
-    train._check_replay(_config(replay=str(run)), str(run))
-  assert train._check_replay(_config(replay=str(run), **{"log.progress": False}),
+    replay_lib.check_request(_config(replay=str(run)), str(run))
+  assert replay_lib.check_request(_config(replay=str(run), **{"log.progress": False}),
                              str(tmp_path / "b")) == 0
   with pytest.raises(FileNotFoundError, match="config.json is missing"):
-    train._check_replay(_config(replay=str(tmp_path)), str(tmp_path / "b"))
+    replay_lib.check_request(_config(replay=str(tmp_path)), str(tmp_path / "b"))
   unlogged = tmp_path / "unlogged"
   unlogged.mkdir()
   (unlogged / "config.json").write_text(defaults.get_config().to_json_best_effort())
   with pytest.raises(FileNotFoundError, match="holds no schedule log"):
-    train._check_replay(_config(replay=str(unlogged)), str(tmp_path / "b"))
+    replay_lib.check_request(_config(replay=str(unlogged)), str(tmp_path / "b"))
   multi = tmp_path / "multi"
   shutil.copytree(unlogged, multi)
   schedule_lib.Recorder(schedule_lib.session_path(str(multi), 0, 1, 2), iteration=0).close()
   with pytest.raises(ValueError, match="multi-process run's .* cannot be replayed"):
-    train._check_replay(_config(replay=str(multi)), str(tmp_path / "b"))
+    replay_lib.check_request(_config(replay=str(multi)), str(tmp_path / "b"))
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   with pytest.raises(ValueError, match="multi-process run cannot be replayed"):
-    train._check_replay(_config(replay=str(run)), str(tmp_path / "b"))
+    replay_lib.check_request(_config(replay=str(run)), str(tmp_path / "b"))
 
 
 def test_the_log_reader_names_a_bad_line_and_drops_a_torn_last_one(tmp_path):
@@ -221,8 +221,10 @@ def test_the_log_reader_names_a_bad_line_and_drops_a_torn_last_one(tmp_path):
   with open(path, "a", encoding="utf-8") as f:
     f.write('{"k":"step","n":2,"re')  # A run killed mid-line.
   session = schedule_lib.Session(path)
-  assert [s["n"] for s in session.steps] == [0, 1] and session.end is None
-  assert session.steps[1] == dict(k="step", n=1, recv=[1, 0], act=[1], v=0, values=[0])
+  assert [s.n for s in session.steps] == [0, 1] and session.end is None
+  assert session.steps[1] == schedule_lib.StepRecord(n=1, recv=(1, 0), act=(1,), version=0,
+                                                     values=(0,))
+  assert session.steps[1].to_json() == dict(n=1, recv=[1, 0], act=[1], v=0, values=[0])
   with open(path, "a", encoding="utf-8") as f:
     f.write('\n{"k":"step","n":7}\n')  # The torn line is now a whole line, and bad.
   with pytest.raises(ValueError, match=r"line 5: not a JSON record"):
@@ -233,8 +235,10 @@ def test_the_log_reader_names_a_bad_line_and_drops_a_torn_last_one(tmp_path):
     f.write("\n".join(lines[:4] + lines[5:]))
   with pytest.raises(ValueError, match=r"line 5: step 7 where step 2 was due"):
     schedule_lib.Session(path)
-  with pytest.raises(schedule_lib.ReplayMismatch, match=r"update 0 .*loss = 0.25 replayed, "
-                                                        r"0.5 recorded"):
-    schedule_lib.check_update(session.updates[0], 0, [0], [], {"loss": 0.25}, path)
-  with pytest.raises(schedule_lib.ReplayMismatch, match=r"items \[1\] replayed, \[0\]"):
-    schedule_lib.check_update(session.updates[0], 0, [1], [], {"loss": 0.5}, path)
+  replayed = lambda items, loss: schedule_lib.UpdateRecord(u=0, items=items,
+                                                           metrics={"loss": loss})
+  with pytest.raises(replay_lib.ReplayMismatch, match=r"update 0 .*loss = 0.25 replayed, "
+                                                      r"0.5 recorded"):
+    replay_lib.check_update(session.updates[0], replayed((0,), 0.25), path)
+  with pytest.raises(replay_lib.ReplayMismatch, match=r"items \[1\] replayed, \[0\]"):
+    replay_lib.check_update(session.updates[0], replayed((1,), 0.5), path)

@@ -122,7 +122,7 @@ def test_log_prob_is_the_steering_density(smoke_config, steer):
 
 @pytest.mark.parametrize("steer", STEERS)
 def test_rl_trains_the_heads_alone_and_bc_the_network(smoke_config, steer):
-  smoke_config.ppo.num_minibatches = 1
+  smoke_config.rl.num_minibatches = 1
   env, pol, params = _steered(smoke_config, steer)
   lrn = learner_lib.Learner(pol, smoke_config)
   flat = oi.flatten(params)

@@ -165,7 +165,7 @@ def _check_final_values(items) -> None:
     cut = traj.done[:, 0] & ~traj.terminated[:, 0]
     np.testing.assert_allclose(returns[cut], (traj.reward + 0.9 * traj.final_value)[cut, 0],
                                rtol=1e-6)
-    # ppo.bootstrap_truncated off (the time limit is part of the task): every end is terminal.
+    # rl.bootstrap_truncated off (the time limit is part of the task): every end is terminal.
     cfg.bootstrap_truncated = False
     plain = np.asarray(objectives.PPOObjective(None, cfg).rows(traj)["returns"])
     np.testing.assert_allclose(plain[cut], traj.reward[cut, 0], rtol=1e-6)

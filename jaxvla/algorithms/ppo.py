@@ -32,7 +32,7 @@ import optax
 
 CORRECTIONS = ("none", "decoupled", "truncated_is")
 
-# What a chunk's importance ratio is over (``ppo.ratio``): "joint", the probability of
+# What a chunk's importance ratio is over (``rl.ratio``): "joint", the probability of
 # the whole chunk (for flow policies, of the whole denoise chain: a product of
 # K x H x A Gaussian transitions); "mean", the geometric mean of its per-term ratios
 # (GSPO's length-normalised sequence ratio), so that the clip bounds the average
@@ -51,13 +51,13 @@ RATIOS = ("joint", "mean", "per_term", "per_term_correction")
 
 
 def check_ratio(ratio: str) -> None:
-  """Raises ValueError naming ``config.ppo.ratio`` if it is not one of :data:`RATIOS`."""
+  """Raises ValueError naming ``config.rl.ratio`` if it is not one of :data:`RATIOS`."""
   if ratio not in RATIOS:
-    raise ValueError(f"config.ppo.ratio must be one of {RATIOS}, got {ratio!r}")
+    raise ValueError(f"config.rl.ratio must be one of {RATIOS}, got {ratio!r}")
 
 
 def uses_terms(config: ml_collections.ConfigDict) -> bool:
-  """Whether the loss takes per-term log-probs ``[N, M]`` under the ``ppo`` config:
+  """Whether the loss takes per-term log-probs ``[N, M]`` under the ``rl`` config:
   ``ratio='per_term'``, or ``'per_term_correction'`` with the decoupled correction
   (with another correction there is no behaviour weight to take per term, and it is
   the joint ratio)."""
@@ -70,7 +70,7 @@ def log_prob_scale(ratio: str, terms: int) -> float:
   "mean" (``terms``: the policy's ``log_prob_terms``), ``1`` for the others.
 
   Raises:
-    ValueError: naming ``config.ppo.ratio`` if it is not one of :data:`RATIOS`.
+    ValueError: naming ``config.rl.ratio`` if it is not one of :data:`RATIOS`.
   """
   check_ratio(ratio)
   return 1.0 / terms if ratio == "mean" else 1.0
@@ -90,9 +90,9 @@ def _check_correction(correction: str, proximal_log_prob: jax.Array | None,
 
 
 def check_behaviour_clip(behaviour_clip: float) -> None:
-  """Raises ValueError naming ``config.ppo.behaviour_clip`` unless it is 0 (off) or > 1."""
+  """Raises ValueError naming ``config.rl.behaviour_clip`` unless it is 0 (off) or > 1."""
   if not (behaviour_clip == 0 or behaviour_clip > 1):
-    raise ValueError(f"config.ppo.behaviour_clip must be 0 (off) or > 1, got {behaviour_clip}")
+    raise ValueError(f"config.rl.behaviour_clip must be 0 (off) or > 1, got {behaviour_clip}")
 
 
 def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: jax.Array,
@@ -134,16 +134,16 @@ def _policy_terms(new_log_prob: jax.Array, old_log_prob: jax.Array, proximal: ja
 
 
 # What the decoupled correction does with a behaviour -> proximal weight over ``is_clip``
-# (``ppo.is_clip_mode``): "truncate" it to ``is_clip``, or "drop" the term from the loss
+# (``rl.is_clip_mode``): "truncate" it to ``is_clip``, or "drop" the term from the loss
 # (weight 0; RLinf's ``behave_weight_threshold``).
 IS_CLIP_MODES = ("truncate", "drop")
 
 
 def check_is_clip_mode(mode: str) -> None:
-  """Raises ValueError naming ``config.ppo.is_clip_mode`` unless it is one of
+  """Raises ValueError naming ``config.rl.is_clip_mode`` unless it is one of
   :data:`IS_CLIP_MODES`."""
   if mode not in IS_CLIP_MODES:
-    raise ValueError(f"config.ppo.is_clip_mode must be one of {IS_CLIP_MODES}, got {mode!r}")
+    raise ValueError(f"config.rl.is_clip_mode must be one of {IS_CLIP_MODES}, got {mode!r}")
 
 
 def _behaviour_weight(proximal: jax.Array, behaviour: jax.Array, is_clip: float,
@@ -174,7 +174,7 @@ def _term_corrected_terms(new_log_prob: jax.Array, old_log_prob: jax.Array,
                           is_clip: float, behaviour_clip: float,
                           is_clip_mode: str = "truncate") -> tuple[jax.Array, ...]:
   """Decoupled PPO with the chunk's ratio and clip and the correction per term
-  (``ppo.ratio='per_term_correction'``): log-probs ``[N, M]``, advantages ``[N]``.
+  (``rl.ratio='per_term_correction'``): log-probs ``[N, M]``, advantages ``[N]``.
 
   Term ``m``'s gradient is ``w_m * g * grad new_m``: ``w_m = min(pi_prox,m / mu_m,
   is_clip)`` its behaviour -> proximal weight, ``g`` the chunk surrogate's derivative by
@@ -203,13 +203,13 @@ VALUE_LOSSES = ("mse", "huber")
 
 
 def check_value_loss(value_loss: str, huber_delta: float, value_clip: float) -> None:
-  """Raises ValueError naming the ``config.ppo`` key of a bad critic-loss setting."""
+  """Raises ValueError naming the ``config.rl`` key of a bad critic-loss setting."""
   if value_loss not in VALUE_LOSSES:
-    raise ValueError(f"config.ppo.value_loss must be one of {VALUE_LOSSES}, got {value_loss!r}")
+    raise ValueError(f"config.rl.value_loss must be one of {VALUE_LOSSES}, got {value_loss!r}")
   if not huber_delta > 0:
-    raise ValueError(f"config.ppo.huber_delta must be > 0, got {huber_delta}")
+    raise ValueError(f"config.rl.huber_delta must be > 0, got {huber_delta}")
   if not value_clip >= 0:
-    raise ValueError(f"config.ppo.value_clip must be >= 0 (0: off), got {value_clip}")
+    raise ValueError(f"config.rl.value_clip must be >= 0 (0: off), got {value_clip}")
 
 
 def value_errors(new_value: jax.Array, returns: jax.Array, old_value: jax.Array | None, *,
@@ -228,7 +228,7 @@ def value_errors(new_value: jax.Array, returns: jax.Array, old_value: jax.Array 
   loss = err(new_value)
   if value_clip > 0:
     if old_value is None:
-      raise ValueError("config.ppo.value_clip > 0 needs the rollout's values (old_value)")
+      raise ValueError("config.rl.value_clip > 0 needs the rollout's values (old_value)")
     clipped = old_value + jnp.clip(new_value - old_value, -value_clip, value_clip)
     loss = jnp.maximum(loss, err(clipped))
   return loss
@@ -249,7 +249,7 @@ def ppo_loss(new_log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.A
 
   With ``[N]`` log-probs every ratio is between log-probabilities of the whole chunk
   (for flow policies, of the whole denoise chain). With ``[N, M]`` log-probs (the
-  chunk's ``M`` terms) and ``term_ratio`` (``ppo.ratio='per_term'``) every ratio, weight
+  chunk's ``M`` terms) and ``term_ratio`` (``rl.ratio='per_term'``) every ratio, weight
   and clip is per term and a chunk's policy loss is the sum over its terms; without
   ``term_ratio`` (``'per_term_correction'``, decoupled only) PPO's ratio and clip are
   the chunk's and the importance weights and behaviour clip per term
@@ -384,7 +384,7 @@ STEP_SCALE_READS = ("lag", "is_weight", "is_weight_sq")
 
 
 def step_scale(step_scale_name: str, metrics: dict) -> jax.Array:
-  """The factor on one optimizer step's update (``ppo.step_scale``): ``1`` for "none";
+  """The factor on one optimizer step's update (``rl.step_scale``): ``1`` for "none";
   for "ess", :func:`ess_fraction` of the step's importance weights, so that a gradient
   estimated from stale data with the information of fewer samples moves the policy
   proportionally less (1 on fresh data: the synchronous step is unchanged); for
@@ -393,10 +393,10 @@ def step_scale(step_scale_name: str, metrics: dict) -> jax.Array:
   the step by the delay (1 up to a staleness of 2).
 
   Raises:
-    ValueError: naming ``config.ppo.step_scale`` if it is not one of :data:`STEP_SCALES`.
+    ValueError: naming ``config.rl.step_scale`` if it is not one of :data:`STEP_SCALES`.
   """
   if step_scale_name not in STEP_SCALES:
-    raise ValueError(f"config.ppo.step_scale must be one of {STEP_SCALES}, "
+    raise ValueError(f"config.rl.step_scale must be one of {STEP_SCALES}, "
                      f"got {step_scale_name!r}")
   if step_scale_name == "none":
     return jnp.ones((), jnp.float32)
@@ -407,7 +407,7 @@ def step_scale(step_scale_name: str, metrics: dict) -> jax.Array:
 
 
 def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
-  """The ``ppo`` sub-config's loss coefficients and correction as keyword arguments."""
+  """The ``rl`` sub-config's loss coefficients and correction as keyword arguments."""
   return dict(clip_eps=config.clip_eps, value_coef=config.value_coef,
               entropy_coef=config.entropy_coef,
               correction=config.correction,

@@ -1,7 +1,7 @@
 """The GPU session's prepared check: ``python -m jaxvla.bench.gpu_check --out=DIR``.
 
-One command that spends a short GPU window on the figures docs/design/pipeline.md and
-docs/design/policy.md need from full-size pi0 (``launch/gpu_check.sh`` wraps it with the
+One command that spends a short GPU window on the figures docs/results/pipeline.md and
+docs/results/policy.md need from full-size pi0 (``launch/gpu_check.sh`` wraps it with the
 offline set-up). It runs, in order, each step in its own process (so one step's device
 memory is free for the next) with a shared persistent compilation cache:
 
@@ -21,7 +21,7 @@ memory is free for the next) with a shared persistent compilation cache:
 
 A GPU window runs ``memory``, ``pipeline`` and ``trace`` unless ``--steps`` names others
 (:data:`WINDOW_STEPS`: ``act`` and ``ppo`` were measured on an H100 on 2026-11-23 and
-2026-11-27, docs/design/policy.md); the dry run runs every step.
+2026-11-27, docs/results/policy.md); the dry run runs every step.
 
 Every step has a time limit; a step that fails or runs out of time is recorded as such
 and the next one still runs, so a window always returns what it measured. After each
@@ -69,7 +69,7 @@ OFFLINE_PACKAGES = ("ml-collections",)
 MODES = ("sync_colocated", "+streamer")
 ACT_BATCHES = (1, 8, 32)
 PPO_BATCH = 32
-# Full pi0 as openpi sizes it (docs/design/pipeline.md's H100 rows): bf16 compute, remat, 224 px
+# Full pi0 as openpi sizes it (docs/results/pipeline.md's H100 rows): bf16 compute, remat, 224 px
 # images, PaliGemma's vocabulary, 32-dim padded state and actions; a bfloat16 rollout
 # copy; learner micro-batches of 32 chunks.
 FULL_PIPELINE = (
@@ -77,7 +77,7 @@ FULL_PIPELINE = (
     "--config.model.variant=full", "--config.model.dtype=bfloat16", "--config.model.remat=True",
     "--config.model.image_size=224", "--config.model.vocab_size=257152",
     "--config.model.action_dim=32", "--config.model.state_dim=32",
-    "--config.ppo.num_minibatches=4", "--config.pipeline.micro_batch_segments=8",
+    "--config.rl.num_minibatches=4", "--config.pipeline.micro_batch_segments=8",
     "--config.pipeline.rollout_dtype=bfloat16",
     # First-ready batches padded to 8, 16 or 32 rows: half the act / value programs.
     "--config.pipeline.min_bucket=8",

@@ -21,7 +21,7 @@ been compiled: every reported figure is a compiled measurement, not an
 extrapolation.
 
 On a CPU this is XLA:CPU's buffer assignment, an estimate of XLA:GPU's: for full
-fine-tuning docs/design/policy.md found the GPU's peak 5 to 15 GiB lower than the CPU's.
+fine-tuning docs/results/policy.md found the GPU's peak 5 to 15 GiB lower than the CPU's.
 
 Flags (``--models``, ``--learner_denoise_steps``, ``--chunk_len`` and ``--seed`` are
 :mod:`jaxvla.bench.policy`'s) plus ``--budgets_gib``, ``--lora_modes``, ``--grid``.

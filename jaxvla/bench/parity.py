@@ -9,14 +9,14 @@ levels: ``l1`` (rollout thread || learner, lockstep envs: deterministic, what
 ``tests/test_learning.py`` runs) or ``full`` (L1 + L2 first-ready env batching in
 ``--env_workers`` processes + L3 streamed learner). The streamer makes one pass over
 each batch without minibatch advantage statistics, so with ``full`` every run, the
-sync one included, trains with ``ppo.num_epochs=1`` and ``ppo.advantage_norm='none'``:
+sync one included, trains with ``rl.num_epochs=1`` and ``rl.advantage_norm='none'``:
 the pipeline is the only difference between the columns.
 
 Prints one row per seed (evaluation success of each pipeline, warm start, mean
 staleness), the mean and spread per column and each async column's gap to sync;
 writes ``results.json`` and ``table.md`` to ``--out``. Finished runs are kept: a
 rerun with the same ``--out`` does only the missing ones. Config overrides go after
-the config, e.g. ``--config.ppo.learning_rate=5e-5``.
+the config, e.g. ``--config.rl.learning_rate=5e-5``.
 
   python -m jaxvla.bench.parity --out=/tmp/parity --seeds=3,4,5,6,7 \\
       --pipelines=sync,k0,k1,k2,k4,k8 --levels=full
@@ -59,7 +59,7 @@ def parse_pipeline(name: str) -> int | None:
 def run_config(base: ml_collections.ConfigDict, seed: int, pipeline: str, levels: str,
                env_workers: int = 2, correction: str = "decoupled") -> ml_collections.ConfigDict:
   """``base`` for one run of ``pipeline`` (:func:`parse_pipeline`); async runs use
-  ``correction`` (``ppo.correction``). ``k0`` is the async machinery held to fresh
+  ``correction`` (``rl.correction``). ``k0`` is the async machinery held to fresh
   data: the control that separates staleness from the rest of the async pipeline.
 
   Raises:
@@ -71,12 +71,12 @@ def run_config(base: ml_collections.ConfigDict, seed: int, pipeline: str, levels
   c = ml_collections.ConfigDict(base.to_dict())
   c.seed = seed
   if levels == "full":
-    c.ppo.update(config_checks.STREAMER_PPO)
+    c.rl.update(config_checks.STREAMER_PPO)
   if staleness is not None:
     p = c.pipeline
     p.mode = "async"
     p.max_staleness = staleness
-    c.ppo.correction = correction
+    c.rl.correction = correction
     if levels == "l1":
       p.train_async, p.rollout_async, p.streamer = True, False, False
       # Room for the rollout to run as far ahead as the bound lets it.
@@ -180,7 +180,7 @@ def _define_flags() -> None:
   flags.DEFINE_enum("levels", "full", list(LEVELS), "Async levels (see the docstring).")
   flags.DEFINE_integer("env_workers", 2, "Env worker processes (levels=full).")
   flags.DEFINE_enum("correction", "decoupled", ["none", "decoupled", "truncated_is"],
-                    "ppo.correction of the async runs.")
+                    "rl.correction of the async runs.")
   flags.DEFINE_string(
       "warm_dir", None, "Where the warm starts live (default: --out). Share it between runs "
       "whose configs differ only in RL settings (the warm start is BC).")

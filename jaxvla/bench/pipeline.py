@@ -55,6 +55,7 @@ from jaxvla import config_checks, config_files, plot_timeline
 from jaxvla.bench import envs as env_bench
 from jaxvla.bench import trace_summary
 from jaxvla.envs import make_vec_env
+from jaxvla.learner import algorithm as algorithm_lib
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.parallel import distributed
@@ -104,7 +105,7 @@ def mode_config(base: ml_collections.ConfigDict, name: str) -> ml_collections.Co
     if name == "sync_colocated":  # Rolls out with the learner's own params: nothing to cast.
       c.pipeline.rollout_dtype = ""
     if c.pipeline.streamer:
-      c.ppo.update(config_checks.STREAMER_PPO)
+      c.rl.update(config_checks.STREAMER_PPO)
   config_checks.validate(c)
   return c
 
@@ -159,9 +160,13 @@ def run_mode(base: ml_collections.ConfigDict, name: str, parts: Parts) -> dict:
     log_dir = tempfile.mkdtemp(prefix="jaxvla_bench_schedule_")
     recorder = schedule_lib.Recorder(schedule_lib.session_path(log_dir, 0), iteration=0,
                                      version=0, env_steps=0, seed=seed, mode=c.pipeline.mode)
-  pipe = pipeline_lib.Pipeline(c, parts.policy, learner, env, parts.act, parts.value,
-                               sharding_lib.rollout_sharding(jax.local_devices()), rng,
-                               seed=seed, recorder=recorder)
+  builder, items = algorithm_lib.get(c.algorithm).builder(c, env.spec)
+  acting = pipeline_lib.Acting(env=env, policy=parts.policy, act_fn=parts.act,
+                               value_fn=parts.value, builder=builder, items_per_update=items,
+                               rng=rng, seed=seed)
+  pipe = pipeline_lib.Pipeline(c.pipeline, learner, acting,
+                               sharding_lib.rollout_sharding(jax.local_devices()),
+                               schedule=schedule_lib.LiveSchedule(recorder))
   marks, trained = [], [0]
 
   def on_update(info):

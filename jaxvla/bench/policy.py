@@ -223,10 +223,10 @@ def make_trajectory(batch: dict, chain, seed: int) -> types.Trajectory:
 
 def make_learner(policy, num_minibatches: int = 1,
                  rollout_dtype: str = "") -> learner_lib.Learner:
-  """``Learner`` with the default config's ``bc`` / ``ppo``, PPO at 1 epoch x
+  """``Learner`` with the default config's ``bc`` / ``rl``, PPO at 1 epoch x
   ``num_minibatches`` (``rollout_dtype``: ``config.pipeline.rollout_dtype``)."""
   c = defaults.get_config()
-  c.ppo.num_epochs, c.ppo.num_minibatches = 1, num_minibatches
+  c.rl.num_epochs, c.rl.num_minibatches = 1, num_minibatches
   c.pipeline.rollout_dtype = rollout_dtype
   return learner_lib.Learner(policy, c)
 

@@ -14,7 +14,7 @@ are kept: a rerun with the same ``--out`` does only the missing ones.
 
   python -m jaxvla.bench.seeds --out=/tmp/seeds --seeds=0-9
   python -m jaxvla.bench.seeds --out=/tmp/seeds_lr --warm_dir=/tmp/seeds \\
-      --config.ppo.learning_rate=2e-4
+      --config.rl.learning_rate=2e-4
 """
 
 from __future__ import annotations

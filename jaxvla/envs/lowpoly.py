@@ -12,7 +12,8 @@ policy sees, a link's silhouette and colours do not need that detail.
 material), and points ManiSkill's Panda agents at it. Only the looks change: the
 collision meshes, the links, joints, masses and controllers are ManiSkill's own, so
 the physics (and every state, reward and planner path) is the same. The before/after
-images and timings are in docs/design/envs.md ("Cameras rendered per chunk").
+image is in docs/design/envs.md ("The render itself: the Panda's meshes"), the timings in
+docs/results/envs.md.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ With ``G = 1`` every env is its own group: all episodes differ.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -266,6 +266,31 @@ class AsyncVecEnv(VecEnv, Protocol):
   def recv(self, b_max: int, t_max_s: float) -> tuple[np.ndarray, ChunkStep]:
     """``(env_ids [b'], ChunkStep [b'])`` of finished envs: returns once ``b_max`` are
     ready or ``t_max_s`` after the first of them was."""
+
+
+@runtime_checkable
+class ReplayableEnv(Protocol):
+  """An env whose worker schedule a run's schedule log can record and replay.
+
+  The env pool (:class:`jaxvla.envs.pool.EnvPool`) implements it: recording, a
+  listener is told of every worker restart; replaying, ``recv_ids`` returns exactly
+  the envs the recorded run received and ``replay_restart`` restarts a worker where
+  the recorded run's did. ``why`` is ``'died'``, ``'hung'`` or ``'failed'`` (the
+  schedule log's strings).
+  """
+
+  def recv_ids(self, env_ids: np.ndarray) -> tuple[np.ndarray, ChunkStep]:
+    """``(env_ids, ChunkStep)`` of exactly ``env_ids`` ``[b]``, in that order, once each
+    has finished its chunk (a replay's ``recv``)."""
+
+  def replay_restart(self, worker_index: int, why: str, in_flight: list[int],
+                     ready: list[int]) -> None:
+    """Restarts worker ``worker_index`` as a recorded run's restart did, which lost the
+    chunks of env ids ``in_flight`` and found the results of ``ready`` arrived."""
+
+  def set_restart_listener(
+      self, listener: Callable[[int, str, list[int], list[int]], None] | None) -> None:
+    """Calls ``listener(worker_index, why, in_flight, ready)`` before every worker restart."""
 
 
 def group_layout(group_size: int, num_envs: int, first_env_id: int = 0,

@@ -1,5 +1,11 @@
 """The learner: the train state, the behaviour-cloning step and the RL update's jits.
 
+Owns the device side of training: :class:`TrainState`, the jitted entry points below and
+their shardings. Its parts live beside it: the optimizers and step-size schedules in
+:mod:`jaxvla.learner.optimizers`, the RL objective's pick in
+:mod:`jaxvla.learner.algorithm`, the update loop in :mod:`jaxvla.learner.update`, and
+the host-side divergence guard in :mod:`jaxvla.learner.guard`.
+
 Jit boundaries, each with explicit shardings on the learner mesh and the train
 state donated:
 
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
+import functools
 from typing import Callable, ContextManager, Iterable
 
 import jax
@@ -48,13 +54,13 @@ from flax import struct
 
 from jaxvla import types
 from jaxvla.algorithms import ppo
-from jaxvla.learner import objectives, trainable as trainable_lib, update as update_lib
+from jaxvla.learner import algorithm as algorithm_lib
+from jaxvla.learner import optimizers as optimizers_lib
+from jaxvla.learner import trainable as trainable_lib
+from jaxvla.learner import update as update_lib
 from jaxvla.models import contract
 from jaxvla.parallel import distributed
 from jaxvla.parallel import sharding as sharding_lib
-
-
-log = logging.getLogger(__name__)
 
 
 @struct.dataclass
@@ -73,161 +79,37 @@ class TrainState:
   rng: jax.Array
 
 
-BC_SCHEDULES = ("constant", "cosine")
-BC_COSINE_FLOOR = 0.1  # 'cosine' ends at this fraction of bc.learning_rate
-
-
-def bc_learning_rate(bc_config: ml_collections.ConfigDict) -> float | optax.Schedule:
-  """The warm start's step size: ``bc.learning_rate`` throughout ('constant'), or decayed
-  along a cosine to :data:`BC_COSINE_FLOOR` of it at ``bc.num_steps`` ('cosine').
-
-  Raises:
-    ValueError: naming ``config.bc.lr_schedule`` if it is not one of :data:`BC_SCHEDULES`.
-  """
-  if bc_config.lr_schedule not in BC_SCHEDULES:
-    raise ValueError(f"config.bc.lr_schedule must be one of {BC_SCHEDULES}, got "
-                     f"{bc_config.lr_schedule!r}")
-  if bc_config.lr_schedule == "constant" or bc_config.num_steps < 1:
-    return bc_config.learning_rate
-  return optax.cosine_decay_schedule(bc_config.learning_rate, bc_config.num_steps,
-                                     alpha=BC_COSINE_FLOOR)
-
-
-CRITIC_PREFIX = "rl/value_"  # the value head's parameters (every policy family's)
-RL_SCHEDULES = ("constant", "linear")
-
-
-def rl_optimizer_steps(config: ml_collections.ConfigDict, num_processes: int = 1) -> int:
-  """The optimizer steps of the RL budget: its PPO updates (``total_env_steps`` over the
-  env steps of one update, ``num_envs * rollout_len * chunk_len`` per process, rounded
-  up) times ``ppo.num_epochs * ppo.num_minibatches``. An update that ``ppo.target_kl``
-  cuts short takes fewer, so a run can end a little before this count.
-  """
-  per_update = num_processes * config.num_envs * config.rollout_len * config.model.chunk_len
-  updates = -(-config.total_env_steps // per_update)
-  return updates * config.ppo.num_epochs * config.ppo.num_minibatches
-
-
-def rl_decay_steps(config: ml_collections.ConfigDict, num_processes: int = 1) -> int:
-  """Over how many optimizer steps the actor's RL step size falls to 0: none (0) for
-  ``ppo.lr_schedule='constant'``; for 'linear' the budget's steps
-  (:func:`rl_optimizer_steps`) after the critic's warm-up (PPO's learning-rate annealing,
-  as in Schulman et al.'s Atari and MuJoCo runs).
-
-  Raises:
-    ValueError: naming ``config.ppo.lr_schedule`` if it is not one of
-      :data:`RL_SCHEDULES`, or 'linear' for GRPO (whose updates take whole episodes, so
-      the budget's step count is not known in advance).
-  """
-  schedule = config.ppo.lr_schedule
-  if schedule not in RL_SCHEDULES:
-    raise ValueError(f"config.ppo.lr_schedule must be one of {RL_SCHEDULES}, got {schedule!r}")
-  if schedule == "constant":
-    return 0
-  if config.algorithm == "grpo":
-    raise ValueError("config.ppo.lr_schedule='linear' needs PPO: a GRPO update takes whole "
-                     "episodes, so the budget's optimizer steps are not known in advance")
-  return max(1, rl_optimizer_steps(config, num_processes) - config.ppo.critic_warmup_steps)
-
-
-def make_optimizer(learning_rate: float, max_grad_norm: float,
-                   b1: float = 0.9, *, critic_learning_rate: float = 0.0,
-                   critic_warmup_steps: int = 0,
-                   decay_steps: int = 0) -> optax.GradientTransformation:
-  """Global-norm clipping, then Adam (``b1``: its first-moment decay, the momentum).
-
-  With ``critic_learning_rate > 0`` or ``critic_warmup_steps > 0`` (``ppo.value_*``,
-  RLinf's ``value_lr`` and critic warm-up) the critic (:data:`CRITIC_PREFIX`) and the
-  actor (every other trained parameter) have Adams of their own: the critic's at
-  ``critic_learning_rate`` (0: ``learning_rate``), the actor's at ``learning_rate``
-  after its first ``critic_warmup_steps`` optimizer steps, at 0 before them (the
-  global-norm clip still sees both gradients). Without either, one Adam over all.
-  With ``decay_steps > 0`` the actor's step falls
-  linearly from ``learning_rate`` to 0 over that many steps after the warm-up, and
-  stays at 0 beyond them (one Adam over all: the critic's falls with it).
-  """
-  clip = optax.clip_by_global_norm(max_grad_norm)
-  actor_lr = learning_rate
-  if decay_steps:
-    actor_lr = optax.linear_schedule(learning_rate, 0.0, decay_steps)
-  if not critic_learning_rate and not critic_warmup_steps:
-    return optax.chain(clip, optax.adam(actor_lr, b1=b1))
-  if critic_warmup_steps:
-    after = actor_lr if decay_steps else optax.constant_schedule(learning_rate)
-    actor_lr = optax.join_schedules([optax.constant_schedule(0.0), after],
-                                    [critic_warmup_steps])
-  critic = optax.adam(critic_learning_rate or learning_rate, b1=b1)
-  return optax.chain(clip, optax.multi_transform(
-      {"actor": optax.adam(actor_lr, b1=b1), "critic": critic}, _actor_critic_labels))
-
-
-def _actor_critic_labels(params: contract.Params) -> contract.Params:
-  """``'critic'`` for the value head's leaves (:data:`CRITIC_PREFIX`), ``'actor'`` else."""
-  path_of = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: "critic" if path_of(path).startswith(CRITIC_PREFIX) else "actor", params)
-
-
 def init_state(params: contract.Params, tx: optax.GradientTransformation,
                rng: jax.Array) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                     rng=rng)
 
 
-def describe_nonfinite(code: float) -> str:
-  """``nonfinite`` metric -> e.g. ``'loss, gradient norm'``."""
-  return ", ".join(name for bit, name in update_lib.NONFINITE_PARTS
-                   if int(code) & bit) or "nothing"
+# The streamer's programs, jitted per learner by Learner._jit_streamer. Module functions of
+# the learner (not methods) so that each program keeps its name in a profile
+# (``jit_micro_grads``, ``jit_micro_grads_proximal``, ``jit_snapshot``).
+def micro_grads(learner: Learner, params: contract.Params, data, total: jax.Array,
+                version: jax.Array) -> tuple[contract.Params, dict]:
+  """One micro-batch's ``(grads, metrics)``, its rows weighted out of ``total``."""
+  return update_lib.micro_grads(learner.objective, learner.ppo_config, params, data, total,
+                                version, learner.rl_trainable)
 
 
-class DivergenceGuard:
-  """Counts updates with a non-finite step; stops the run after ``max_bad`` in a row
-  (``config.ppo.max_bad_updates``), or at once when the params themselves went
-  non-finite.
+def micro_grads_proximal(learner: Learner, params: contract.Params, data, total: jax.Array,
+                         version: jax.Array, proximal: contract.Params
+                         ) -> tuple[contract.Params, dict]:
+  """:func:`micro_grads` under the update's proximal policy (``proximal``: the snapshot
+  of the trained subtree the update started from)."""
+  return update_lib.micro_grads(learner.objective, learner.ppo_config, params, data, total,
+                                version, learner.rl_trainable,
+                                learner.rl_trainable.merge(params, proximal))
 
-  A step whose loss or gradient norm is not finite is not applied, nor is any later
-  step of the same RL update (``update.keep_unless``): the steps before it stand. Params
-  that are not finite after finite losses and gradients (bit 4: an overflow or a
-  non-finite step size) cannot be taken back, since the guard keeps no second copy of
-  the train state, so that stops the run with the checkpoints intact
-  (``train._save`` never writes non-finite params).
 
-  Args:
-    max_bad: >= 1.
-    what: names the updates in messages (``'RL update'``, ``'BC step'``).
-  """
-
-  def __init__(self, max_bad: int, what: str):
-    if max_bad < 1:
-      raise ValueError(f"max_bad must be >= 1, got {max_bad}")
-    self.max_bad, self.what = max_bad, what
-    self.in_a_row = 0
-    self.total = 0
-
-  def check(self, nonfinite: float, index: int) -> None:
-    """``nonfinite``: the update's metric; ``index``: its number, for messages.
-
-    Raises:
-      FloatingPointError: ``max_bad`` non-finite updates in a row, or non-finite params.
-    """
-    if not nonfinite:
-      self.in_a_row = 0
-      return
-    self.in_a_row += 1
-    self.total += 1
-    parts = describe_nonfinite(nonfinite)
-    if int(nonfinite) & 4:
-      raise FloatingPointError(
-          f"{self.what} {index}: non-finite {parts}; the params are not finite, the run "
-          "stops (the checkpoints hold the last finite ones). Lower the learning rate")
-    if self.in_a_row >= self.max_bad:
-      raise FloatingPointError(
-          f"{self.what} {index}: non-finite {parts}; {self.in_a_row} in a row, the run stops "
-          "(its params stay those of the last finite step, which the checkpoints hold). "
-          "Lower the learning rate or check the data; config.ppo.max_bad_updates sets how "
-          "many in a row are tolerated")
-    log.warning("%s %d: non-finite %s; not applied from that step on (%d in a row; the run "
-                "stops at %d)", self.what, index, parts, self.in_a_row, self.max_bad)
+def snapshot(learner: Learner, params: contract.Params) -> contract.Params:
+  """The trained subtree of ``params`` in ``learner.proximal_dtype``, copied (the params
+  it is taken from are donated next)."""
+  return jax.tree.map(jnp.copy, trainable_lib.cast_floating(
+      learner.rl_trainable.select(params), learner.proximal_dtype))
 
 
 class Learner:
@@ -235,7 +117,7 @@ class Learner:
 
   Args:
     policy: the policy contract.
-    config: the run config: ``bc`` (the warm start's optimizer), ``ppo`` (the RL
+    config: the run config: ``bc`` (the warm start's optimizer), ``rl`` (the RL
       update) and ``algorithm`` / ``grpo`` (the RL objective, picked once, here).
     mesh: the learner mesh (``jaxvla.parallel.sharding.make_mesh``); None: one device.
     rules: ``config.mesh.rules`` (default :data:`jaxvla.parallel.sharding.DEFAULT_RULES`).
@@ -248,29 +130,27 @@ class Learner:
                mesh: jax.sharding.Mesh | None = None, rules: sharding_lib.Rules | None = None,
                behaviour_is_proximal: bool = False):
     self.policy = policy
-    self.algorithm, self.ppo_config = config.algorithm, config.ppo
-    ppo_config, bc_config = config.ppo, config.bc
+    self.algorithm, self.ppo_config = config.algorithm, config.rl
     self.behaviour_is_proximal = behaviour_is_proximal
     # A streamed update's proximal snapshot is kept in the precision the rollout acts in
     # (its behaviour log-probs already come from weights rounded so): full pi0's float32
     # copy alone would take 12 of an 80 GB GPU's GiB beside the train state.
     self.proximal_dtype = config.pipeline.rollout_dtype or None
-    self.objective = objectives.make_objective(policy, config)
+    self.objective = algorithm_lib.get(config.algorithm).objective(policy, config)
     self._abstract_params = policy.abstract_params()
     self.trainable = trainable_lib.Trainable.of(self._abstract_params)
     # What RL trains: the same, or the RL heads alone over a frozen flow (steered samplers).
     self.rl_trainable = (trainable_lib.Trainable.rl_heads() if policy.rl_heads_only
                          else self.trainable)
-    self.bc_tx = trainable_lib.train_only(
-        make_optimizer(bc_learning_rate(bc_config), ppo_config.max_grad_norm), self.trainable)
-    self.ppo_tx = trainable_lib.train_only(
-        make_optimizer(ppo_config.learning_rate, ppo_config.max_grad_norm,
-                       b1=ppo_config.adam_b1,
-                       critic_learning_rate=ppo_config.value_learning_rate,
-                       critic_warmup_steps=ppo_config.critic_warmup_steps,
-                       decay_steps=rl_decay_steps(config, jax.process_count())),
-        self.rl_trainable)
+    self.bc_tx = optimizers_lib.bc_optimizer(config, self.trainable)
+    self.ppo_tx = optimizers_lib.rl_optimizer(config, self.rl_trainable, jax.process_count())
     self.num_processes = jax.process_count()
+    self._set_mesh(mesh, rules)
+    self._jit_all()
+
+  def _set_mesh(self, mesh: jax.sharding.Mesh | None, rules: sharding_lib.Rules | None
+                ) -> None:
+    """The learner mesh (one device when none is given) and how it splits a batch."""
     if mesh is None:
       if self.num_processes > 1:
         raise ValueError("Learner: a multi-process run needs a learner mesh over every "
@@ -285,7 +165,6 @@ class Learner:
           f"which {self.num_processes} processes cannot share evenly; each process feeds its "
           "own batch shards, so config.mesh.data * config.mesh.fsdp must be a multiple of the "
           "process count")
-    self._jit_all()
 
   # --------------------------------------------------------------- sharding --
   def _jit_all(self) -> None:
@@ -294,56 +173,58 @@ class Learner:
     ``bc_step_jit`` and ``update_jit`` take global arrays (no batch checks): the
     jit boundaries themselves, for AOT lowering (``jaxvla.bench.policy``).
     """
+    self._set_shardings()
+    self._jit_steps()
+    self._jit_streamer()
+
+  def _abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
+    """The shapes of a fresh train state for ``tx`` (nothing allocated)."""
+    return jax.eval_shape(lambda p, k: init_state(p, tx, k), self._abstract_params,
+                          jax.random.PRNGKey(0))
+
+  def _set_shardings(self) -> None:
+    """The mesh's shardings of the params, both phases' train states and the RL data."""
     mesh, rules = self.mesh, self.rules
-    abstract_params = self._abstract_params
     self.param_shardings = sharding_lib.param_shardings(self.policy.logical_axes(),
-                                                        abstract_params, mesh, rules)
+                                                        self._abstract_params, mesh, rules)
     # The trained subtree's gradients and optimizer moments live like its params.
     self._trained_shardings = self.rl_trainable.select(self.param_shardings)
-    abstract_state = lambda tx: jax.eval_shape(
-        lambda p, k: init_state(p, tx, k), abstract_params, jax.random.PRNGKey(0))
-    self._bc_state_sh = bc_sh = self.state_shardings(abstract_state(self.bc_tx))
-    self._ppo_state_sh = ppo_sh = self.state_shardings(abstract_state(self.ppo_tx))
-    rep = sharding_lib.replicated(mesh)
+    self._bc_state_sh = self.state_shardings(self._abstract_state(self.bc_tx))
+    self._ppo_state_sh = self.state_shardings(self._abstract_state(self.ppo_tx))
+    self._rep = sharding_lib.replicated(mesh)
     # The env (episode) axis of every field is split over the batch shards.
     self._rows_sh = sharding_lib.batch_sharding(mesh, rules)  # [N, ...]: N split.
     self._data_sh = types.env_axis_tree(self.objective.data_type, {
         0: self._rows_sh, 1: sharding_lib.batch_sharding(mesh, rules, batch_dim=1)})
-    self.bc_step_jit = jax.jit(self._bc_step,
-                               in_shardings=(bc_sh, self._rows_sh, self._rows_sh, self._rows_sh),
+
+  def _jit_steps(self) -> None:
+    """The whole-batch entry points: a BC step and an RL update, the state donated."""
+    bc_sh, ppo_sh, rows_sh, rep = self._bc_state_sh, self._ppo_state_sh, self._rows_sh, self._rep
+    self.bc_step_jit = jax.jit(self._bc_step, in_shardings=(bc_sh, rows_sh, rows_sh, rows_sh),
                                out_shardings=(bc_sh, rep), donate_argnums=0)
     self.update_jit = jax.jit(self._update, in_shardings=(ppo_sh, self._data_sh),
                                out_shardings=(ppo_sh, rep), donate_argnums=0)
-    # Streamer: gradients live like the trained params; metrics and the row count replicated.
-    grads_sh = (self._trained_shardings, rep)
-    # (named functions: their names are the programs' names in a profile)
-    def micro_grads(params, data, total, version):
-      return update_lib.micro_grads(self.objective, self.ppo_config, params, data, total,
-                                    version, self.rl_trainable)
 
-    def micro_grads_proximal(params, data, total, version, proximal):
-      return update_lib.micro_grads(self.objective, self.ppo_config, params, data, total,
-                                    version, self.rl_trainable,
-                                    self.rl_trainable.merge(params, proximal))
-
-    def snapshot(params):  # (copies: the params it is taken from are donated next)
-      return jax.tree.map(jnp.copy, trainable_lib.cast_floating(
-          self.rl_trainable.select(params), self.proximal_dtype))
-
-    self._micro_grads_jit = jax.jit(
-        micro_grads, in_shardings=(self.param_shardings, self._data_sh, rep, rep),
-        out_shardings=grads_sh)
+  def _jit_streamer(self) -> None:
+    """The streamed learner's entry points: one micro-batch's gradients (under the
+    proximal snapshot or not), the snapshot, their sum and one optimizer update."""
+    rep, trained_sh = self._rep, self._trained_shardings
+    # Gradients live like the trained params; metrics and the row count replicated.
+    grads_sh = (trained_sh, rep)
+    in_sh = (self.param_shardings, self._data_sh, rep, rep)
+    # (functools.partial keeps the module functions' names: the programs' names in a profile)
+    self._micro_grads_jit = jax.jit(functools.partial(micro_grads, self), in_shardings=in_sh,
+                                    out_shardings=grads_sh)
     self._micro_grads_proximal_jit = jax.jit(
-        micro_grads_proximal,
-        in_shardings=(self.param_shardings, self._data_sh, rep, rep, self._trained_shardings),
+        functools.partial(micro_grads_proximal, self), in_shardings=in_sh + (trained_sh,),
         out_shardings=grads_sh)
-    self._snapshot_jit = jax.jit(snapshot, in_shardings=(self.param_shardings,),
-                                 out_shardings=self._trained_shardings)
-    self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, self._trained_shardings, rep),
+    self._snapshot_jit = jax.jit(functools.partial(snapshot, self),
+                                 in_shardings=(self.param_shardings,), out_shardings=trained_sh)
+    self._add_jit = jax.jit(self._add, in_shardings=(grads_sh, trained_sh, rep),
                             out_shardings=grads_sh, donate_argnums=0)
     # (bump_version traced, not static: one program for every step of an update)
-    self._apply_jit = jax.jit(self._apply, in_shardings=(ppo_sh, grads_sh, rep),
-                              out_shardings=(ppo_sh, rep), donate_argnums=0)
+    self._apply_jit = jax.jit(self._apply, in_shardings=(self._ppo_state_sh, grads_sh, rep),
+                              out_shardings=(self._ppo_state_sh, rep), donate_argnums=0)
 
   def state_shardings(self, abstract_state: TrainState):
     """Shardings of a train state (arrays or ``ShapeDtypeStruct``s), same tree.
@@ -426,8 +307,8 @@ class Learner:
     ``EpisodeBatch [K, E]``); ``state.step`` (the policy version) grows by 1."""
     rows = data.num_rows
     nm = self.ppo_config.num_minibatches
-    if rows % nm == 0:  # (else the update raises, naming ppo.num_minibatches)
-      self._check_batch(rows // nm, "RL minibatch size (rows)", "config.ppo.num_minibatches")
+    if rows % nm == 0:  # (else the update raises, naming rl.num_minibatches)
+      self._check_batch(rows // nm, "RL minibatch size (rows)", "config.rl.num_minibatches")
     return self.update_jit(self._placed(state, self._ppo_state_sh),
                            self._to_global(data, "RL batch envs / episodes"))
 
@@ -485,7 +366,7 @@ class Learner:
     return self._add_jit(acc, *grads_metrics)
 
   # The accumulated metrics ``_apply`` reads: the loss (for the guard) and what
-  # ``ppo.step_scale`` reads. Only these enter its program, so one program serves every
+  # ``rl.step_scale`` reads. Only these enter its program, so one program serves every
   # minibatch (a later minibatch's metrics carry the proximal pass's diagnostics too).
   _APPLY_READS = ("loss",) + ppo.STEP_SCALE_READS
 
@@ -524,7 +405,7 @@ class Learner:
     of items; the policy version grows by 1 at the last.
 
     ``items`` yields the update's ``num_items`` items (lazily: the next is only asked for
-    once the previous one's gradient is taken), ``ppo.num_minibatches`` of them per
+    once the previous one's gradient is taken), ``rl.num_minibatches`` of them per
     optimizer step. With several minibatches and a proximal pass
     (:attr:`streamed_proximal`), the params the update starts from are kept (their trained
     subtree) and the later minibatches are evaluated under them, so PPO's clip acts

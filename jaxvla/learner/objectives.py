@@ -1,5 +1,8 @@
 """What PPO and GRPO train on: each algorithm's rows, per-row weights and loss.
 
+Owns the objectives' maths; which one a run trains with (``config.algorithm``) is
+:mod:`jaxvla.learner.algorithm`'s record (its ``objective`` field builds it).
+
 An objective turns its batch type into *rows* (arrays with a leading row axis
 that the update shuffles and splits into minibatches) and defines a weighted
 loss over a minibatch of rows; :mod:`jaxvla.learner.update` runs the epochs,
@@ -8,7 +11,7 @@ minibatches, KL early stop and the decoupled proximal step for either.
 * :class:`PPOObjective`: a ``Trajectory [T, B]`` -> GAE (truncated episodes
   bootstrapped from their final values) -> ``N = T * B`` chunk rows; minibatch
   weights ``1 / n`` (a mean); the clipped PPO loss with a value term; advantages
-  normalised per minibatch (``ppo.advantage_norm``).
+  normalised per minibatch (``rl.advantage_norm``).
 * :class:`GRPOObjective`: an ``EpisodeBatch [K, E]`` -> ``E`` episode rows of
   ``K`` padded chunks; per-chunk weights from ``grpo.loss_normalizer``
   (:func:`jaxvla.algorithms.grpo.chunk_weights`); the same loss without a value
@@ -23,7 +26,7 @@ evaluated its rows under the params it started from, the *proximal* policy): the
 behaviour -> proximal KL, how far the critic moved since the rollout
 (``value_drift``) and how much that moves the advantages (``advantage_drift``),
 each for the rows of the current version (``_fresh``) and the older ones
-(``_stale``). With ``ppo.value_targets='learner'`` the advantages and returns are
+(``_stale``). With ``rl.value_targets='learner'`` the advantages and returns are
 recomputed from those proximal values instead of the rollout's.
 """
 
@@ -41,7 +44,7 @@ from jaxvla.models import contract
 
 
 def _log_prob_scale(policy: contract.Policy, cfg: ml_collections.ConfigDict) -> float:
-  """``ppo.ratio``'s factor on every chunk log-prob (current, behaviour and proximal
+  """``rl.ratio``'s factor on every chunk log-prob (current, behaviour and proximal
   alike, so the ratios are of the scaled probabilities): see :data:`ppo.RATIOS`."""
   return ppo.log_prob_scale(cfg.ratio, policy.log_prob_terms)
 
@@ -49,7 +52,7 @@ def _log_prob_scale(policy: contract.Policy, cfg: ml_collections.ConfigDict) -> 
 def _log_probs(policy: contract.Policy, cfg: ml_collections.ConfigDict, log_prob: jax.Array,
                log_prob_dims: jax.Array) -> jax.Array:
   """What the loss's ratios are over: the chunk log-probs ``log_prob [...]``, or with
-  a per-term ``ppo.ratio`` (:func:`ppo.uses_terms`) the executed dims' ``[..., H * A]``
+  a per-term ``rl.ratio`` (:func:`ppo.uses_terms`) the executed dims' ``[..., H * A]``
   of ``log_prob_dims [..., H, A_net]`` (padded dims dropped)."""
   if not ppo.uses_terms(cfg):
     return log_prob
@@ -95,7 +98,7 @@ class PPOObjective:
 
   Args:
     policy: the policy contract.
-    cfg: the ``ppo`` sub-config.
+    cfg: the ``rl`` sub-config.
   """
 
   data_type = types.Trajectory
@@ -117,7 +120,7 @@ class PPOObjective:
   def _gae(self, traj: types.Trajectory, value: jax.Array) -> tuple[jax.Array, jax.Array]:
     """GAE over ``traj [T, B]`` with ``value [T, B]`` (its bootstrap values as recorded)."""
     cfg = self.cfg
-    # ppo.bootstrap_truncated: a time limit that only schedules resets cuts an episode
+    # rl.bootstrap_truncated: a time limit that only schedules resets cuts an episode
     # the policy could have gone on with, so truncations bootstrap from the value of
     # their last observation (terminations and worker faults from nothing). Where the
     # limit is part of the task (reach the goal in time, a sparse success reward), a
@@ -137,7 +140,7 @@ class PPOObjective:
     return self.policy.step_log_probs(params, rows["batch"], rows["chain"])
 
   def relabel(self, traj: types.Trajectory, rows: dict) -> dict:
-    """Targets from the proximal pass (``ppo.value_targets``): 'learner', GAE from the
+    """Targets from the proximal pass (``rl.value_targets``): 'learner', GAE from the
     proximal critic's values of the rows; 'vtrace', V-trace from those values and the
     behaviour -> proximal ratios. The bootstrap and final values stay the rollout's
     (their observations are not in the trajectory). ``rows["adv_learner"]`` is the
@@ -220,7 +223,7 @@ class GRPOObjective:
 
   Args:
     policy: the policy contract.
-    cfg: the ``ppo`` sub-config (clip, correction, entropy).
+    cfg: the ``rl`` sub-config (clip, correction, entropy).
     loss_normalizer: ``config.grpo.loss_normalizer``, the chunks' weights.
 
   Raises:
@@ -293,11 +296,3 @@ class GRPOObjective:
                 episode_return_mean=jnp.mean(eb.episode_return),
                 episode_length_mean=jnp.mean(jnp.sum(eb.mask, axis=0).astype(jnp.float32)))
 
-
-def make_objective(policy: contract.Policy, config: ml_collections.ConfigDict) -> Objective:
-  """The objective of ``config.algorithm`` ('ppo' or 'grpo'), from the whole run config."""
-  if config.algorithm == "ppo":
-    return PPOObjective(policy, config.ppo)
-  if config.algorithm == "grpo":
-    return GRPOObjective(policy, config.ppo, config.grpo.loss_normalizer)
-  raise ValueError(f"config.algorithm={config.algorithm!r} must be 'ppo' or 'grpo'")

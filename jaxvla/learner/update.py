@@ -1,9 +1,9 @@
 """The one RL update loop, for any :class:`jaxvla.learner.objectives.Objective`.
 
-:func:`epochs_update`: ``ppo.num_epochs`` passes over the rows of one batch,
-each shuffled with the state's key and split into ``ppo.num_minibatches``
+:func:`epochs_update`: ``rl.num_epochs`` passes over the rows of one batch,
+each shuffled with the state's key and split into ``rl.num_minibatches``
 minibatches, one optimizer step per minibatch (``lax.scan`` over epochs and
-minibatches). Once approx. KL passes ``ppo.target_kl > 0`` the remaining
+minibatches). Once approx. KL passes ``rl.target_kl > 0`` the remaining
 minibatches are skipped. With the decoupled correction and more than one
 optimizer step, the proximal policy is the params before the update (their
 log-probs are computed once, per minibatch of rows).
@@ -18,7 +18,7 @@ metrics ``grad_norm`` and ``grad_norm/<part>`` of both updates), to see where an
 gradient goes.
 
 :func:`update_kl_detail`: how far one update moved the flow's density, per denoise
-step and per action dimension (``ppo.kl_detail_rows``).
+step and per action dimension (``rl.kl_detail_rows``).
 
 :func:`micro_grads`: the streamed learner's gradient of one micro-batch with
 global row weights; the micro-batches' gradients and metrics add up to those of
@@ -138,7 +138,7 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
 
   Args:
     objective: the algorithm (rows, weights, loss).
-    tx: the optimizer over ``trainable.select(params)``; cfg: the ``ppo`` sub-config.
+    tx: the optimizer over ``trainable.select(params)``; cfg: the ``rl`` sub-config.
     params, opt_state: before the update.
     data: the batch (``objective.data_type``).
     rng: the shuffling key.
@@ -158,14 +158,14 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
     :data:`NONFINITE_PARTS` of any step, or'd).
 
   Raises:
-    ValueError: the row count is not divisible by ``ppo.num_minibatches``.
+    ValueError: the row count is not divisible by ``rl.num_minibatches``.
   """
   nm = cfg.num_minibatches
   rows = objective.rows(data)
   n = rows["log_prob"].shape[0]
   if n % nm:
     raise ValueError(f"an update of {n} rows (PPO: num_envs x rollout_len chunks; GRPO: "
-                     f"episodes) is not divisible by ppo.num_minibatches={nm}")
+                     f"episodes) is not divisible by rl.num_minibatches={nm}")
   mb = n // nm
   split = lambda x: x.reshape((nm, mb) + x.shape[1:])
   if behaviour_is_proximal and cfg.value_targets == "rollout":
@@ -316,7 +316,7 @@ def update_kl_detail(objective: Objective, before, after, rows: dict,
   """
   n = rows["chain"].shape[0]
   if not 1 <= num_rows <= n:
-    raise ValueError(f"ppo.kl_detail_rows={num_rows} must be in [1, {n}] (the update's rows)")
+    raise ValueError(f"rl.kl_detail_rows={num_rows} must be in [1, {n}] (the update's rows)")
   pick = (jnp.arange(num_rows) * n) // num_rows
   sub = dict(batch=jax.tree.map(lambda x: x[pick], rows["batch"]), chain=rows["chain"][pick])
   old, steps = objective.step_log_probs(before, sub)

@@ -19,12 +19,12 @@ optimizer step, over NVLink within a machine and the network between machines.
 
 Stage costs (:func:`h100_costs`), every figure from a measurement in the docs:
 
-* ``act`` and the PPO minibatch: full pi0 / pi0.5 on one H100 (docs/design/policy.md,
-  "Full pi0 and pi0.5 on one H100"); ``value`` is the prefix's share of ``act`` (act
+* ``act`` and the PPO minibatch: full pi0 / pi0.5 on one H100 (docs/results/policy.md,
+  "Full pi0 and pi0.5 on one H100 (measured)"); ``value`` is the prefix's share of ``act`` (act
   minus its denoise steps, from the K = 4 and K = 10 rows); pi0.5's batch of 64 is pi0's
   ratio of 64 to 16 rows applied to pi0.5's 16.
 * LIBERO's step: 4.4 env steps/s per CPU core (one worker process, two 64 px cameras
-  rendered by llvmpipe; docs/design/envs.md), one core per worker; a chunk's time spread
+  rendered by llvmpipe; docs/results/envs.md), one core per worker; a chunk's time spread
   by a log-normal of sigma :data:`LIBERO_SIGMA`. Every episode runs to the suite's time
   limit, then the env's auto-reset costs :data:`LIBERO_RESET_STEPS` steps' time.
 * The broadcast: the rollout's bfloat16 copy over NVLink at :data:`NVLINK_BYTES_PER_S`.
@@ -48,7 +48,7 @@ GPUS_PER_MACHINE = 8
 TIE = 0.02  # Relative throughput difference the planner treats as a tie.
 SIMULATED_MACHINES = 2
 CORES_PER_GPU = 16
-LIBERO_STEPS_PER_CORE_S = 4.4  # docs/design/envs.md, one worker, 2 cameras, llvmpipe.
+LIBERO_STEPS_PER_CORE_S = 4.4  # docs/results/envs.md, one worker, 2 cameras, llvmpipe.
 LIBERO_SIGMA = 0.2
 # LIBERO's auto-reset (the scene re-placed, then 10 settle steps, each rendered), in env
 # steps' time: measured on the 2-core CPU machine (libero_spatial, 64 px), the chunk that
@@ -57,7 +57,7 @@ LIBERO_SIGMA = 0.2
 LIBERO_RESET_STEPS = 14.0
 NVLINK_BYTES_PER_S = 200e9  # Achieved all-reduce bus bandwidth within an H100 machine.
 NETWORK_BYTES_PER_S = 50e9  # 400 Gb/s InfiniBand per GPU between machines.
-# Measured on one H100 (docs/design/policy.md): act ms by (K, batch) and the PPO minibatch.
+# Measured on one H100 (docs/results/policy.md): act ms by (K, batch) and the PPO minibatch.
 _H100_ACT_MS = {
     "pi0": {4: {1: 22.6, 16: 145.6, 64: 536.3}, 10: {1: 33.1, 16: 162.9, 64: 573.7}},
     "pi05": {10: {1: 36.1, 16: 184.5, 64: 184.5 * 573.7 / 162.9}},
@@ -103,7 +103,7 @@ def h100_costs(model: str, denoise_steps: int, chunk_len: int,
       broadcast_s=copy_bytes / NVLINK_BYTES_PER_S,
       env_reset=[(LIBERO_RESET_STEPS / LIBERO_STEPS_PER_CORE_S, 1.0)],
       episode_chunks=math.ceil(episode_steps / chunk_len),
-      meta=dict(source="docs/design/policy.md (H100), docs/design/envs.md (LIBERO)",
+      meta=dict(source="docs/results/policy.md (H100), docs/results/envs.md (LIBERO)",
                 model=model, denoise_steps=k, episode_steps=episode_steps))
 
 

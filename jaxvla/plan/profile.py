@@ -297,7 +297,7 @@ def _learner_costs(c: ml_collections.ConfigDict, parts: bench_pipeline.Parts, se
   """``fixed_s`` and ``per_chunk_s`` from updates over the config's env count and half of it."""
   learner = parts.learner(c)
   state = parts.state(learner)
-  m, epochs = c.ppo.num_minibatches, c.ppo.num_epochs
+  m, epochs = c.rl.num_minibatches, c.rl.num_epochs
   sizes = [c.num_envs]
   if c.num_envs % (2 * m) == 0 and c.num_envs // 2 >= m:
     sizes.append(c.num_envs // 2)
@@ -355,7 +355,7 @@ def _streamed_item_s(c: ml_collections.ConfigDict, parts: bench_pipeline.Parts, 
 
   update()  # (compiles both gradient programs: the later minibatches' keep a snapshot)
   walls, _ = _timed(update, seconds / 2)
-  modelled = cs.ppo.num_minibatches * fixed_s + items * chunks * per_chunk_s
+  modelled = cs.rl.num_minibatches * fixed_s + items * chunks * per_chunk_s
   return max(0.0, (statistics.median(walls) - modelled) / items)
 
 

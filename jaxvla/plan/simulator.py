@@ -61,10 +61,11 @@ from collections.abc import Iterator
 import ml_collections
 import numpy as np
 
+from jaxvla.learner import algorithm as algorithm_lib
 from jaxvla.plan import costs as costs_lib
 from jaxvla.plan import engine
 from jaxvla.rollout import rollout as rollout_lib
-from jaxvla.runtime import pipeline as pipeline_lib
+from jaxvla.runtime import modes as modes_lib
 
 STALENESS_CONTROLS = ("pace", "drop")
 
@@ -127,11 +128,11 @@ class Setup:
     Raises:
       ValueError: for GRPO (the simulator models PPO's segments).
     """
-    if config.algorithm != "ppo":
+    if config.algorithm != algorithm_lib.PPO.name:
       raise ValueError(f"the planner models PPO's segments; config.algorithm="
                        f"{config.algorithm!r} is not supported")
     p = config.pipeline
-    levels = pipeline_lib.Levels.from_config(p)
+    levels = modes_lib.Levels.from_config(p)
     streamer = levels.streamer
     return dataclasses.replace(cls(
         train_async=levels.train_async, rollout_async=levels.rollout_async,
@@ -141,8 +142,8 @@ class Setup:
         b_max=p.b_max or max(1, config.num_envs // 2), t_max_s=p.t_max_ms / 1000.0,
         min_bucket=p.min_bucket, max_staleness=p.max_staleness,
         staleness_control=p.staleness_control, queue_items=p.queue_items,
-        num_minibatches=config.ppo.num_minibatches,
-        num_epochs=1 if streamer else config.ppo.num_epochs, processes=processes,
+        num_minibatches=config.rl.num_minibatches,
+        num_epochs=1 if streamer else config.rl.num_epochs, processes=processes,
         processes_per_machine=processes_per_machine), **overrides)
 
   @property

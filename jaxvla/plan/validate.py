@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -39,10 +40,12 @@ import time
 import ml_collections
 import numpy as np
 
-from jaxvla import config_files
+from jaxvla import config_files, progress as progress_lib
 from jaxvla.bench import pipeline as bench_pipeline
 from jaxvla.plan import costs as costs_lib
 from jaxvla.plan import simulator
+
+log = logging.getLogger(__name__)
 
 THROUGHPUT_TOLERANCE = 0.15
 STALENESS_TOLERANCE = 0.5
@@ -204,6 +207,9 @@ def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None,
     raise ValueError(f"--repeats must be >= 1, got {repeats}")
   workdir = workdir or tempfile.mkdtemp(prefix="jaxvla_plan_validate_")
   lines = []
+  # One line per measurement (each is minutes of subprocesses), on a terminal or not.
+  phase = progress_lib.PhaseLog("planner validation (measurements)", len(rows) * repeats,
+                                every_s=1e-9)
   for k, row in enumerate(rows):
     # mode -> [(measured row, prediction, unscaled prediction)]
     runs = collections.defaultdict(list)
@@ -211,7 +217,10 @@ def validate(rows: tuple[Row, ...] = ROWS, workdir: str | None = None,
     for r in range(repeats):
       row_dir = os.path.join(workdir, f"row{k}", f"repeat{r}")
       os.makedirs(row_dir, exist_ok=True)
+      log.info("planner validation: row %s, repeat %d of %d: measuring its costs and "
+               "benchmarking %s", row.name, r + 1, repeats, ", ".join(row.modes))
       costs, measured, speed = measure_row(row, row_dir)
+      phase.tick(k * repeats + r + 1)
       slowdowns.append(speed["costs"] / speed["run"])
       for mode, got in zip(row.modes, measured):
         runs[mode].append((got, predict(row, costs.scaled(slowdowns[-1]), mode),

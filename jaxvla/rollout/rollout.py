@@ -28,13 +28,12 @@ the run (each one stalled it for seconds on CPU, measured in the benchmark).
 Lockstep acts on every env at once and so only ever compiles the full size: its
 value batches are padded to it too.
 
-Schedule log (:mod:`jaxvla.runtime.schedule`): with a ``recorder``, every
-:meth:`Rollout.step` writes what timing decided in it (the envs received and acted
-on, the params versions used) and every env worker restart where it happened. With
-a ``replay`` it follows a recorded session instead: it receives exactly the
-recorded envs (the pool's ``recv_ids``), acts on the recorded ones with the recorded
-versions (``params_at``), restarts workers where the recorded run's restarted, and
-ignores the pacer. So the same items reach the queue in the same order.
+Timing's decisions (the params version of each inference call, the envs the pacer
+admits, the envs a first-ready ``recv`` returns, where a worker restarts) come from a
+step schedule (:mod:`jaxvla.rollout.steps`): live, and written to the schedule log if
+there is one, or replayed from a recorded session's log
+(:class:`jaxvla.runtime.replay.ReplayedSteps`), so that the same items reach the queue
+in the same order. The rollout itself never branches on which.
 """
 
 from __future__ import annotations
@@ -48,11 +47,11 @@ import numpy as np
 
 from jaxvla import timing, types
 from jaxvla.envs import protocol
-from jaxvla.errors import ReplayMismatch
 from jaxvla.evaluation import success as evaluate_lib
 from jaxvla.models import contract
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.rollout import segments as segments_lib
+from jaxvla.rollout import steps as steps_lib
 from jaxvla.rollout.segments import rows
 
 log = logging.getLogger(__name__)
@@ -142,9 +141,8 @@ class Rollout:
       None steps every env in lockstep.
     min_bucket: first-ready inference batches are padded to at least this many rows
       (:func:`bucket_size`).
-    recorder: writes each step's schedule (a :class:`jaxvla.runtime.schedule.Recorder`).
-    replay: the recorded session to follow (a :class:`jaxvla.runtime.schedule.Session`),
-      with ``params_at(version) -> (params, version)`` giving the recorded versions.
+    schedule: the step schedule (:mod:`jaxvla.rollout.steps`); None: live, unlogged
+      (:class:`jaxvla.rollout.steps.LiveSteps` over ``params_fn``).
   """
 
   def __init__(self, env: protocol.VecEnv, policy: contract.Policy, act_fn: Callable,
@@ -152,13 +150,10 @@ class Rollout:
                builder: Builder, rng: jax.Array, seed: int,
                clock: timing.StageClock | None = None, pacer: pacer_lib.Pacer | None = None,
                first_ready: tuple[int, float] | None = None, min_bucket: int = 1,
-               recorder: Any = None, replay: Any = None,
-               params_at: Callable[[int], tuple[Any, int]] | None = None):
+               schedule: steps_lib.StepSchedule | None = None):
     if first_ready is not None and not isinstance(env, protocol.AsyncVecEnv):
       raise TypeError("first-ready stepping needs an AsyncVecEnv with send / recv (the env "
                       f"pool: config.env_workers > 0), got {type(env).__name__}")
-    if replay is not None and params_at is None:
-      raise ValueError("a replay needs params_at (the params of a recorded version)")
     self.env, self.policy = env, policy
     self.act_fn, self.value_fn, self.params_fn = act_fn, value_fn, params_fn
     self.builder, self.rng, self.seed = builder, rng, seed
@@ -178,44 +173,24 @@ class Rollout:
     self._parked_ids = np.zeros((0,), np.int64)  # ... ready, waiting for the pacer.
     self._parked_obs: protocol.Observation | None = None
     self._env_busy_since: float | None = None  # First-ready: some env stepping since.
-    # The schedule log: the step number, the phase a worker restart would happen in,
-    # and the step's record being written (recorder) or followed (replay).
-    self.recorder, self.replay, self.params_at = recorder, replay, params_at
+    self.schedule = steps_lib.LiveSteps(params_fn) if schedule is None else schedule
+    self.schedule.attach(env)
     self.num_steps = 0
     self._items_made = 0
-    self._phase = "reset"
-    self._log: dict | None = None
-    self._want: dict | None = None
-    self._values_done = 0
-    if recorder is not None or replay is not None:
-      listen = getattr(env, "set_restart_listener", None)  # (an env pool)
-      if listen is not None:
-        listen(self._on_restart)
 
   def step(self) -> None:
-    """One inference batch: lockstep (:meth:`step_all`) or first-ready (:meth:`step_ready`).
-
-    Recorded in, or replayed from, the schedule log when there is one.
+    """One inference batch: lockstep (:meth:`step_all`) or first-ready (:meth:`step_ready`),
+    one step of the schedule.
 
     Raises:
       Closed: replaying, past the recorded rollout's last step.
     """
-    if self.replay is not None:
-      if not self.replay.has_step():  # The recorded rollout stopped here (its run ended).
-        raise types.Closed(f"the schedule log {self.replay.path} has no rollout step "
-                           f"{self.num_steps}")
-      self._want, self._values_done = self.replay.next_step(), 0
-    if self.recorder is not None:
-      self._log = dict(values=[])
+    self.schedule.begin(self.num_steps)
     if self.first_ready is None:
       self.step_all()
     else:
       self.step_ready(*self.first_ready)
-    if self._want is not None and self._values_done != len(self._want.get("values", ())):
-      raise ReplayMismatch(f"rollout step {self.num_steps}: {self._values_done} value calls "
-                           f"replayed, {len(self._want.get('values', ()))} recorded")
-    if self._log is not None:
-      self.recorder.step(self.num_steps, **self._log)
+    self.schedule.end(self.num_steps)
     self.num_steps += 1
 
   def pop_items(self) -> list[types.Item]:
@@ -224,45 +199,6 @@ class Rollout:
     for item in items:
       item.seq, self._items_made = self._items_made, self._items_made + 1
     return items
-
-  # ---------------------------------------------------------- schedule log --
-  def _on_restart(self, worker: int, why: str, in_flight: list[int], ready: list[int]
-                  ) -> None:
-    """The env pool restarts a worker: recorded, or (replaying) a fault the log lacks."""
-    if self.replay is not None:
-      raise ReplayMismatch(f"rollout step {self.num_steps}: env worker {worker} {why} in the "
-                           "replay, where the recorded run's did not; replayed up to here")
-    self.recorder.restart(self.num_steps, self._phase, worker, why, in_flight, ready)
-
-  def _replay_restarts(self, phase: str) -> None:
-    """Replaying: the worker restarts the recorded run had in ``phase`` of this step."""
-    if self.replay is None:
-      return
-    for r in self.replay.restarts(self.num_steps, phase):
-      self.env.replay_restart(r.worker, r.why, r.lost, r.ready)
-
-  def _params(self, for_values: bool) -> tuple[Any, int]:
-    """``(params, version)`` for an inference call: the latest, or the recorded one."""
-    if self._want is None:
-      params, version = self.params_fn()
-    elif for_values:
-      wanted = self._want.get("values", ())
-      if self._values_done >= len(wanted):
-        raise ReplayMismatch(f"rollout step {self.num_steps}: a value call the log does not "
-                             "record")
-      params, version = self.params_at(wanted[self._values_done])
-      self._values_done += 1
-    else:
-      if "v" not in self._want:
-        raise ReplayMismatch(f"rollout step {self.num_steps}: acts where the recorded run "
-                             "did not")
-      params, version = self.params_at(self._want["v"])
-    if self._log is not None:
-      if for_values:
-        self._log["values"].append(version)
-      else:
-        self._log["version"] = version
-    return params, version
 
   @property
   def env_steps(self) -> int:
@@ -282,7 +218,7 @@ class Rollout:
     ``version``: the version the pacer granted these envs' segment starts (None
     without a pacer); the params acted with are at least that new.
     """
-    params, got = self._params(for_values=False)
+    params, got = self.schedule.params(for_values=False)
     if version is not None and got < version:  # (params_fn is monotone; defensive)
       raise RuntimeError(f"rollout params version {got} is older than the paced {version}")
     with self.clock.busy("inference"):
@@ -303,24 +239,7 @@ class Rollout:
     open segment is then done and already handed on, so the learner can advance
     the version); otherwise refused starts are parked and retried later.
     """
-    if self._want is not None:
-      return self._replayed_admission(env_ids), None
-    admitted, version = self._pace(env_ids, block)
-    if self._log is not None and admitted.size < len(env_ids):
-      self._log["act"] = env_ids[admitted]
-    return admitted, version
-
-  def _replayed_admission(self, env_ids: np.ndarray) -> np.ndarray:
-    """Rows of ``env_ids`` the recorded step acted on (every one where it names none)."""
-    if "act" not in self._want:
-      return np.arange(len(env_ids)) if "v" in self._want else np.zeros((0,), np.int64)
-    row = {int(e): k for k, e in enumerate(env_ids)}
-    missing = [e for e in self._want["act"] if e not in row]
-    if missing:
-      raise ReplayMismatch(f"rollout step {self.num_steps}: the log acts on env ids "
-                           f"{missing}, which are not ready here (ready: "
-                           f"{sorted(row)})")
-    return np.array(sorted(row[e] for e in self._want["act"]), np.int64)
+    return self.schedule.admit(env_ids, lambda: self._pace(env_ids, block))
 
   def _pace(self, env_ids: np.ndarray, block: bool) -> tuple[np.ndarray, int | None]:
     """:meth:`_admit` by the pacer's grants."""
@@ -352,7 +271,7 @@ class Rollout:
     ``n`` may exceed the env count (bootstraps and final observations together):
     the rows go in pieces of at most ``num_envs``, each padded to its size.
     """
-    params, _ = self._params(for_values=True)
+    params, _ = self.schedule.params(for_values=True)
     limit, n = self.env.num_envs, obs.batch_size
     starts = range(0, n, limit)
     with self.clock.busy("inference"):
@@ -392,25 +311,16 @@ class Rollout:
   def step_all(self) -> None:
     """One chunk for every env (``env.step_chunk``), every env admitted together."""
     if self._obs is None:
-      self._phase = "reset"
-      self._obs = self.env.reset(self.seed)
-      self._replay_restarts("reset")
+      self._obs = self.schedule.reset(self.env, self.seed)
     ids = np.arange(self.env.num_envs)
     version = None
-    starting = (0 if self.pacer is None or self._want is not None
-                else int(self.builder.starts(ids).sum()))
+    starting = 0 if self.pacer is None else int(self.builder.starts(ids).sum())
     if starting:  # Every env at a segment boundary starts together: wait for them all.
       with self.clock.timed("pace_wait_s"):
         version = self.pacer.start(starting, self.params_fn()[1])
     actions = self._act(ids, self._obs, version)
     with self.clock.busy("env"):
-      self._phase = "step"
-      if self._want is not None and hasattr(self.env, "recv_ids"):  # A replayed env pool.
-        self.env.send(actions, ids)
-        self._replay_restarts("step")
-        _, result = self.env.recv_ids(ids)
-      else:
-        result = self.env.step_chunk(actions)
+      result = self.schedule.step_chunk(self.env, actions)
     self._obs = result.obs
     self._finish(ids, result)
 
@@ -428,17 +338,11 @@ class Rollout:
     """
     if not self._started_ready:
       self._parked_ids = np.arange(self.env.num_envs)
-      self._phase = "reset"
-      self._parked_obs = self.env.reset(self.seed)
-      self._replay_restarts("reset")
+      self._parked_obs = self.schedule.reset(self.env, self.seed)
       self._started_ready = True
       self.compile_buckets(self._parked_obs)
     ids, obs = self._parked_ids, self._parked_obs
     nothing_in_flight = not self._in_flight  # Only the pacer can unblock the parked envs.
-    if self._want is not None and bool(self._in_flight) != ("recv" in self._want):
-      raise ReplayMismatch(f"rollout step {self.num_steps}: {self._in_flight} envs in "
-                           f"flight, but the log {'does' if 'recv' in self._want else 'does not'}"
-                           " receive in this step")
     if self._in_flight:
       got_ids, result = self._receive(b_max, t_max_s)
       self._finish(got_ids, result)
@@ -452,24 +356,15 @@ class Rollout:
     self._parked_ids, self._parked_obs = ids[wait], obs.take(wait)
     if admitted.size:
       actions = self._act(ids[admitted], obs.take(admitted), version)
-      self._phase = "send"
-      self.env.send(actions, ids[admitted])
-      self._replay_restarts("send")
+      self.schedule.send(self.env, actions, ids[admitted])
       self._in_flight += admitted.size
     if self._env_busy_since is None and self._in_flight:
       self._env_busy_since = time.perf_counter()
 
   def _receive(self, b_max: int, t_max_s: float) -> tuple[np.ndarray, protocol.ChunkStep]:
     """The next first-ready batch from the env; records the ``env`` stage's busy time."""
-    self._phase = "recv"
     with self.clock.timed("rollout_recv_wait_s"):
-      if self._want is None:
-        got_ids, result = self.env.recv(b_max, t_max_s)
-      else:  # The recorded batch: its restarts first, then exactly its envs.
-        self._replay_restarts("recv")
-        got_ids, result = self.env.recv_ids(np.asarray(self._want["recv"], np.int64))
-    if self._log is not None:
-      self._log["recv"] = got_ids
+      got_ids, result = self.schedule.recv(self.env, b_max, t_max_s)
     now = time.perf_counter()
     self._in_flight -= len(got_ids)
     self.clock.add("env", self._env_busy_since, now)  # Some env was stepping since then.

@@ -23,7 +23,7 @@ lower-precision one: floating leaves are cast on the learner devices (a jitted
 cast, dispatched like the copy) before the transfer, which halves the bytes moved
 and the rollout's memory for bfloat16. The behaviour log-probs are then those of
 the rounded weights, not exactly the learner's; pair it with an off-policy
-correction (``ppo.correction``), as rollout engines in bf16 are used in practice.
+correction (``rl.correction``), as rollout engines in bf16 are used in practice.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ import jax
 import jaxlib
 
 from jaxvla.errors import ReplayMismatch
+from jaxvla.rollout import steps as steps_lib
 from jaxvla.storage import jsonl
 
 FORMAT = 1
@@ -81,9 +82,58 @@ def sessions(workdir: str) -> list[int]:
   return sorted(out)
 
 
-def _ids(values) -> list[int]:
+def _ids(values) -> tuple[int, ...]:
   """Env ids (any integer array) as JSON integers."""
-  return [int(i) for i in values]
+  return tuple(int(i) for i in values)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+  """One rollout step (a ``step`` line; see the module docstring for the fields)."""
+  n: int
+  recv: tuple[int, ...] | None = None  # First-ready only.
+  act: tuple[int, ...] | None = None  # Only when the step held some envs back.
+  version: int | None = None  # ``v``: None when nothing was acted on.
+  values: tuple[int, ...] = ()
+
+  @classmethod
+  def from_json(cls, rec: dict) -> "StepRecord":
+    opt = lambda key: None if key not in rec else _ids(rec[key])
+    return cls(n=int(rec["n"]), recv=opt("recv"), act=opt("act"),
+               version=None if "v" not in rec else int(rec["v"]),
+               values=_ids(rec.get("values", ())))
+
+  def to_json(self) -> dict[str, Any]:
+    rec: dict[str, Any] = dict(n=self.n)
+    if self.recv is not None:
+      rec["recv"] = list(self.recv)
+    if self.act is not None:
+      rec["act"] = list(self.act)
+    if self.version is not None:
+      rec["v"] = self.version
+    if self.values:
+      rec["values"] = list(self.values)
+    return rec
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRecord:
+  """One learner update (an ``update`` line): ``u`` its policy version before it, the
+  queue items it trained on and those it dropped as too stale (``Item.seq``), and its
+  metrics (exact)."""
+  u: int
+  items: tuple[int, ...]
+  dropped: tuple[int, ...] = ()
+  metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def from_json(cls, rec: dict) -> "UpdateRecord":
+    return cls(u=int(rec["u"]), items=_ids(rec["items"]), dropped=_ids(rec.get("dropped", ())),
+               metrics=dict(rec["metrics"]))
+
+  def to_json(self) -> dict[str, Any]:
+    return dict(u=self.u, items=list(self.items), dropped=list(self.dropped),
+                metrics=self.metrics)
 
 
 class Recorder:
@@ -112,22 +162,18 @@ class Recorder:
   def step(self, n: int, recv=None, act=None, version: int | None = None,
            values: list[int] | None = None) -> None:
     """Step ``n``'s record (``act``: only when the rollout held some envs back)."""
-    rec: dict[str, Any] = dict(n=n)
-    if recv is not None:
-      rec["recv"] = _ids(recv)
-    if act is not None:
-      rec["act"] = _ids(act)
-    if version is not None:
-      rec["v"] = int(version)
-    if values:
-      rec["values"] = [int(v) for v in values]
-    self.write("step", **rec)
+    self.write("step", **StepRecord(
+        n=n, recv=None if recv is None else _ids(recv), act=None if act is None else _ids(act),
+        version=None if version is None else int(version), values=_ids(values or ())).to_json())
+
+  def update(self, record: UpdateRecord) -> None:
+    self.write("update", **record.to_json())
 
   def restart(self, n: int, phase: str, worker: int, why: str, lost, ready) -> None:
     """A worker restart in ``phase`` of step ``n`` (``lost``: env ids whose chunks it
     cut; ``ready``: those whose results had arrived)."""
-    self.write("restart", n=n, phase=phase, worker=worker, why=why, lost=_ids(lost),
-               ready=_ids(ready))
+    self.write("restart", n=n, phase=phase, worker=worker, why=why, lost=list(_ids(lost)),
+               ready=list(_ids(ready)))
 
   def close(self) -> None:
     with self._lock:
@@ -157,8 +203,8 @@ class Session:
 
   def __init__(self, path: str):
     self.path = path
-    self.steps: list[dict] = []
-    self.updates: list[dict] = []
+    self.steps: list[StepRecord] = []
+    self.updates: list[UpdateRecord] = []
     self.saves: set[int] = set()
     self.end: str | None = None
     self.restart_records: list[Restart] = []  # Every restart, in order.
@@ -176,13 +222,13 @@ class Session:
         if rec.get("n") != len(self.steps):
           raise ValueError(f"{path}, line {number}: step {rec.get('n')} where step "
                            f"{len(self.steps)} was due")
-        self.steps.append(rec)
+        self.steps.append(StepRecord.from_json(rec))
       elif kind == "restart":
         restart = Restart(rec["worker"], rec["why"], rec["lost"], rec["ready"])
         self._restarts[(rec["n"], rec["phase"])].append(restart)
         self.restart_records.append(restart)
       elif kind == "update":
-        self.updates.append(rec)
+        self.updates.append(UpdateRecord.from_json(rec))
       elif kind == "save":
         self.saves.add(int(rec["iteration"]))
       elif kind == "end":
@@ -197,7 +243,7 @@ class Session:
   def iteration(self) -> int:
     return int(self.header["iteration"])
 
-  def next_step(self) -> dict:
+  def next_step(self) -> StepRecord:
     """The next rollout step's record.
 
     Raises:
@@ -219,7 +265,7 @@ class Session:
     """The worker restarts recorded in ``phase`` of rollout step ``step``."""
     return self._restarts.get((step, phase), [])
 
-  def next_update(self) -> dict | None:
+  def next_update(self) -> UpdateRecord | None:
     """The next update's record, or None past the last one the log holds."""
     if self._next_update >= len(self.updates):
       return None
@@ -230,23 +276,6 @@ class Session:
   @property
   def updates_left(self) -> int:
     return len(self.updates) - self._next_update
-
-
-def check_update(recorded: dict, version: int, items: list[int], dropped: list[int],
-                 metrics: dict[str, float], path: str) -> None:
-  """Raises :class:`ReplayMismatch` naming the first way update ``version`` of the replay
-  differs from its record: its items, its drops or a metric (exactly)."""
-  where = f"update {version} (policy version {version} -> {version + 1}), {path}"
-  if recorded["u"] != version:
-    raise ReplayMismatch(f"{where}: the log's update is at version {recorded['u']}")
-  for name, want, got in (("items", recorded["items"], items),
-                          ("dropped items", recorded.get("dropped", []), dropped)):
-    if list(want) != list(got):
-      raise ReplayMismatch(f"{where}: {name} {got} replayed, {list(want)} recorded")
-  for name, want in recorded["metrics"].items():
-    got = metrics.get(name)
-    if not same_float(want, got):
-      raise ReplayMismatch(f"{where}: {name} = {got!r} replayed, {want!r} recorded")
 
 
 def same_float(a, b) -> bool:
@@ -262,25 +291,6 @@ def plain_metrics(metrics: dict) -> dict[str, float]:
   return {k: float(v) for k, v in sorted(metrics.items())}
 
 
-# Keys a replay may set differently from its recorded run: where it runs and what
-# it writes besides the run itself.
-REPLAY_FREE_KEYS = ("replay", "resume", "log", "pipeline.schedule_log", "pipeline.timeline")
-
-
-def _flat(tree: dict) -> dict[str, Any]:
-  """``{"a": {"b": x}}`` -> ``{"a.b": x}`` (a config as its dotted keys)."""
-  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: not isinstance(x, dict))
-  return {".".join(str(k.key) for k in path): value for path, value in leaves}
-
-
-def config_differences(recorded: dict, now: dict) -> list[str]:
-  """``config.KEY: recorded -> now`` for every key a replay must not change."""
-  free = lambda k: any(k == f or k.startswith(f + ".") for f in REPLAY_FREE_KEYS)
-  a, b = _flat(recorded), _flat(now)
-  return [f"config.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-          if not free(k) and a.get(k) != b.get(k)]
-
-
 def platform() -> dict[str, str]:
   """What decides a program's floating-point results besides its inputs: the JAX and
   XLA build, ``XLA_FLAGS`` and the device kind (a session header's ``platform``)."""
@@ -289,35 +299,56 @@ def platform() -> dict[str, str]:
               device=f"{jax.default_backend()}: {jax.devices()[0].device_kind}")
 
 
-def platform_differences(recorded: dict, now: dict) -> list[str]:
-  """``name: recorded -> now`` for every part of :func:`platform` that differs."""
-  return [f"{k}: {recorded.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(recorded) | set(now))
-          if recorded.get(k) != now.get(k)]
+class LiveSchedule:
+  """A live run's schedule: timing decides, and with a :class:`Recorder` the log is written.
 
-
-def replay_session(original: str, workdir: str, resume: bool) -> int:
-  """The iteration of the recorded session a replay in ``workdir`` runs next.
-
-  A fresh replay runs the recorded run's first session; a resumed one
-  (``config.resume``) the first recorded session after those ``workdir`` has replayed.
-
-  Raises:
-    FileNotFoundError / ValueError: no log to replay, or none left (named).
+  The pipeline asks its schedule (this, or :class:`jaxvla.runtime.replay.ReplaySchedule`)
+  for the rollout's :class:`jaxvla.rollout.steps.StepSchedule` and tells it what each
+  update took, dropped and computed; it never asks whether it is replaying.
   """
-  recorded = sessions(original)
-  if not recorded and os.path.isdir(directory(original)) and any(
-      "-process-" in name for name in os.listdir(directory(original))):
-    raise ValueError(f"config.replay={original!r} is a multi-process run's (one schedule "
-                     "log per process): it cannot be replayed, only read")
-  if not recorded:
-    raise FileNotFoundError(f"config.replay={original!r} holds no schedule log "
-                            f"({directory(original)}/session-*.jsonl): the run was made "
-                            "with pipeline.schedule_log=False, or is not a run's workdir")
-  if not resume:
-    return recorded[0]
-  done = sessions(workdir)
-  left = [s for s in recorded if not done or s > done[-1]]
-  if not left:
-    raise ValueError(f"every recorded session of {original} (at iterations {recorded}) is "
-                     f"replayed in {workdir} already")
-  return left[0]
+
+  pace = True  # The pacer may hold envs back (a replay's log says which it held).
+  keep_versions = False  # The broadcast keeps only the newest params.
+  ended = False  # (a replay's log can end before the budget; a live run's never does)
+
+  def __init__(self, recorder: Recorder | None = None):
+    self.recorder = recorder
+    self._dropped: list[int] = []  # Items dropped as too stale in the update in progress.
+
+  def steps(self, params_fn: steps_lib.ParamsFn, params_at: Any, published: Any,
+            threaded: bool) -> steps_lib.StepSchedule:
+    """The rollout's step schedule (``params_at``, ``published`` and ``threaded``: what a
+    replay needs to follow its log; unused here)."""
+    del params_at, published, threaded
+    return steps_lib.LiveSteps(params_fn, self.recorder)
+
+  def begin_update(self, version: int) -> bool:
+    """Whether update ``version`` runs (always, live)."""
+    del version
+    return True
+
+  def get(self, feed: Any, queue: Any, version: int) -> Any:
+    """The next queue item for update ``version`` (from the pipeline's feed)."""
+    del queue
+    return feed.get(version)[0]
+
+  def took(self, version: int, item: Any, dropped: list[int]) -> None:
+    """Update ``version`` took ``item``; ``dropped``: items dropped as too stale before it."""
+    del version, item
+    self._dropped += dropped
+
+  def out_of_data(self, version: int) -> None:
+    """The feed closed while update ``version`` waited for data (the caller re-raises)."""
+    del version
+
+  def finish_update(self, version: int, items: list[int], metrics: dict) -> None:
+    """Update ``version`` trained on ``items`` (``Item.seq``) with ``metrics``."""
+    dropped, self._dropped = self._dropped, []
+    if self.recorder is not None:
+      self.recorder.update(UpdateRecord(u=version, items=tuple(items), dropped=tuple(dropped),
+                                        metrics=plain_metrics(metrics)))
+
+  def note(self, kind: str, **fields: Any) -> None:
+    """A ``save`` or ``end`` record, if there is a log."""
+    if self.recorder is not None:
+      self.recorder.write(kind, **fields)

@@ -254,8 +254,8 @@ class Checkpointer:
       if mismatch:  # (orbax alone would report damage: "tree structures do not match")
         raise CheckpointError(
             f"checkpoint {step} in {directory} does not fit this run's optimizer: {mismatch} "
-            "(its state follows the RL optimizer's settings, e.g. ppo.value_learning_rate "
-            f"and ppo.critic_warmup_steps, and the parts it trains){hint}")
+            "(its state follows the RL optimizer's settings, e.g. rl.value_learning_rate "
+            f"and rl.critic_warmup_steps, and the parts it trains){hint}")
       try:
         state, meta = self.restore(step, abstract_state)
       except Exception as e:  # pylint: disable=broad-except

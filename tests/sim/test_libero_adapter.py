@@ -127,8 +127,8 @@ def test_training_loop_runs_on_libero(tmp_path):
   pool, the streamed learner), as configs/libero_bench.py runs it next to full pi0."""
   c = libero_config.get_config()
   c.pipeline.mode, c.pipeline.streamer = "async", True
-  c.ppo.update(config_checks.STREAMER_PPO)
-  c.ppo.num_minibatches = 1  # (one streamed step per update: fewer programs to compile)
+  c.rl.update(config_checks.STREAMER_PPO)
+  c.rl.num_minibatches = 1  # (one streamed step per update: fewer programs to compile)
   c.total_env_steps = 40
   c.rollout_len = 2
   c.env.max_episode_steps = 10  # one-chunk evaluation episodes (eval runs in-process)
