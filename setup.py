@@ -28,6 +28,8 @@ INSTALL_REQUIRES = [
     "numpy",
     "absl-py",
     "sentencepiece",  # Gemma / PaliGemma tokenizer
+    "tokenizers>=0.15",  # the FAST action tokenizer's byte-level BPE (jaxvla.models.fast_tokenizer)
+    "scipy>=1.4",  # scipy.fft's DCT, for the FAST action tokenizer
     # The policy server (python -m jaxvla.serve): openpi's websocket protocol; 14+ for the
     # websockets.asyncio API that openpi's server and client use.
     "websockets>=14",
