@@ -129,6 +129,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.steer_bound = 2.0  # Steered: bound of its mean (noise stds / normalised action units).
   c.model.steer_std_init = 1.0  # Steered: its initial std (latent: 1 is the base policy's noise).
   c.model.steer_std_min = 0.05  # Steered: floor of its std.
+  # Steered: the head also reads every image token through this many channels each
+  # (the camera's spatial layout; 0: the pooled features only).
+  c.model.steer_image_channels = 0
   c.model.num_bins = 256  # action_token_vla: bins per action dimension (tokens per bin).
 
   c.mesh = ml_collections.ConfigDict()

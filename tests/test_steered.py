@@ -144,6 +144,38 @@ def test_rl_trains_the_heads_alone_and_bc_the_network(smoke_config, steer):
   assert not np.array_equal(flat["action_out_proj/kernel"], after["action_out_proj/kernel"])
 
 
+def test_spatial_read_sees_where_in_the_image_and_never_a_masked_camera(smoke_config):
+  """With ``steer_image_channels`` the residual head reads every image token side by
+  side: moving an image's content moves the head's mean even where the pooled features
+  barely change; a masked camera's tokens are read as 0; the flow is untouched."""
+  smoke_config.model.steer_image_channels = 2
+  env, pol, params = _steered(smoke_config, "residual", n=4)
+  params = _perturb_heads(params)
+  flat = oi.flatten(params)
+  width = pi0.steer_image_width(pol.net)
+  assert width == pol.net.num_cameras * pi0.tokens_per_image(pol.net) * 2 > 0
+  assert flat["rl/steer_image/kernel"].shape == (pol.net.llm.width, 2)
+  assert flat["rl/steer_in/kernel"].shape[0] == (pi0.feature_width(pol.net) + 2
+                                                 + pol.chunk_len * pol.action_dim + width)
+  batch = pol.prepare(env.observe())
+  key = jax.random.PRNGKey(3)
+  mean = lambda b: pol.act(params, b, key, "eval")
+  out = mean(batch)
+  rolled = dict(batch, images=np.roll(batch["images"], 16, axis=3))  # the scene, moved right
+  moved = mean(rolled)
+  assert not np.allclose(moved.actions, out.actions, atol=1e-4)
+  # The base flow (the chain before the correction) reads no rl/ parameter.
+  plain = dict(params, rl=dict(params["rl"], steer_image=jax.tree.map(np.zeros_like,
+                                                                      params["rl"]["steer_image"])))
+  np.testing.assert_array_equal(mean(batch).chain[:, :-1], pol.act(plain, batch, key,
+                                                                    "eval").chain[:, :-1])
+  # A masked camera: its pixels change nothing the head reads.
+  masked = dict(batch, image_mask=np.zeros_like(batch["image_mask"]))
+  noisy = dict(masked, images=np.random.default_rng(0).integers(
+      0, 256, batch["images"].shape, dtype=np.uint8))
+  np.testing.assert_allclose(mean(noisy).actions, mean(masked).actions, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("changes,match", [
     (dict(eval_sampler="latent_mean"), "config.model.eval_sampler: 'latent_mean'"),
     (dict(train_sampler="latent", eval_sampler="residual_mean"),

@@ -94,6 +94,9 @@ def check_samplers(model) -> None:
   if model.train_sampler in STEERED:
     if model.steer_hidden < 1:
       raise ValueError(f"config.model.steer_hidden: must be >= 1, got {model.steer_hidden}")
+    if model.steer_image_channels < 0:
+      raise ValueError("config.model.steer_image_channels: must be >= 0, got "
+                       f"{model.steer_image_channels}")
     if not model.steer_bound > 0:
       raise ValueError(f"config.model.steer_bound: must be > 0, got {model.steer_bound}")
     if not 0 < model.steer_std_min <= model.steer_std_init:

@@ -119,11 +119,13 @@ class FlowPolicy:
     """``[A_net]``: 1 for the env's action dims, 0 for padding."""
     return (jnp.arange(self.net.action_dim) < self.action_dim).astype(jnp.float32)
 
-  def _steer(self, params: Params, feats: jax.Array, state: jax.Array,
+  def _steer(self, params: Params, prefix: pi0.Prefix, feats: jax.Array, state: jax.Array,
              base: jax.Array | None = None):
     """The steering head's ``(mean [B, H, A_net], std [H, A_net])`` (see ``pi0.steer``)."""
+    image = (pi0.steer_image_input(self.net, params, prefix)
+             if self.net.steer_image_channels else None)
     return pi0.steer(self.net, params, feats, state,
-                     None if base is None else base * self._dim_mask())
+                     None if base is None else base * self._dim_mask(), image)
 
   def _steer_log_prob(self, x: jax.Array, mean: jax.Array, std: jax.Array) -> jax.Array:
     """Per-dimension log-density ``[B, H, A_net]`` of the steered draw (0 on padded dims)."""
@@ -155,7 +157,7 @@ class FlowPolicy:
     feats = pi0.features(self.net, params, prefix, state)
     dims = self._dim_mask().astype(bool)
     if head == "latent":
-      mean, std = self._steer(params, feats, state)
+      mean, std = self._steer(params, prefix, feats, state)
       # Padded dims act on nothing and keep the base policy's N(0, 1) noise.
       noise = jnp.where(dims, mean + std * noise if mode == "latent" else mean, noise)
       draw = noise
@@ -165,7 +167,7 @@ class FlowPolicy:
         mode="ode" if head else mode, noise_level=self.noise_level, **self._steps(mode))
     if head == "residual":
       base = chain[:, -1]
-      mean, std = self._steer(params, feats, state, base)
+      mean, std = self._steer(params, prefix, feats, state, base)
       draw = mean
       if mode == "residual":
         draw = mean + std * jax.random.normal(residual_key, base.shape)
@@ -193,10 +195,10 @@ class FlowPolicy:
       state = batch["state"]
       feats = pi0.features(self.net, params, prefix, state)
       if self.steer == "latent":
-        mean, std = self._steer(params, feats, state)
+        mean, std = self._steer(params, prefix, feats, state)
         logp = self._steer_log_prob(chain[:, 0], mean, std)
       else:
-        mean, std = self._steer(params, feats, state, chain[:, -2])
+        mean, std = self._steer(params, prefix, feats, state, chain[:, -2])
         logp = self._steer_log_prob(chain[:, -1] - chain[:, -2], mean, std)
       return Evaluation(log_prob=logp.sum((1, 2)), log_prob_dims=logp,
                         value=pi0.value_head(params, feats, self.net.value_detach,
