@@ -87,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.env.latency_sigma = 1.0  # Log-normal shape of that latency (long tail when large).
 
   c.model = ml_collections.ConfigDict()
-  c.model.name = "pi0"  # Policy family: 'pi0', 'pi05' (flow matching) or 'action_token_vla'.
+  c.model.name = "pi0"  # Policy family: 'pi0', 'pi05' (flow), 'action_token_vla' or 'pi0_fast'.
   c.model.variant = "tiny"  # Size: 'tiny' (CPU tests), 'small' or 'full' (openpi's ~3.3B).
   c.model.dtype = "float32"  # Compute dtype ('bfloat16' on accelerators); params stay float32.
   c.model.remat = False  # Recompute layer activations in the backward pass (saves memory).
@@ -133,6 +133,9 @@ def get_config() -> ml_collections.ConfigDict:
   # (the camera's spatial layout; 0: the pooled features only).
   c.model.steer_image_channels = 0
   c.model.num_bins = 256  # action_token_vla: bins per action dimension (tokens per bin).
+  c.model.fast_tokenizer_path = ""  # pi0_fast: FAST tokenizer directory (fast_tokenizer.save's files).
+  c.model.max_action_tokens = 256  # pi0_fast: most tokens decoded per chunk (openpi's max_decoding_steps).
+  c.model.temperature = 1.0  # pi0_fast: sampling temperature of act('train') and its log-probs.
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1  # Learner mesh: data-parallel axis size.

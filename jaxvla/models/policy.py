@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxvla.envs import protocol
-from jaxvla.models import action_token_vla, contract, denoise, layers, pi0
+from jaxvla.models import action_token_vla, contract, denoise, layers, pi0, pi0_fast
 from jaxvla.models import tokenizer as tokenizer_lib
 from jaxvla.models.contract import ActOutput, Evaluation, Params, Policy
 
@@ -281,6 +281,7 @@ POLICIES = {
     "pi0": FlowPolicy,
     "pi05": FlowPolicy,
     "action_token_vla": action_token_vla.ActionTokenPolicy,
+    "pi0_fast": pi0_fast.Pi0FastPolicy,
 }
 
 
