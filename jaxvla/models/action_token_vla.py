@@ -283,7 +283,7 @@ def teacher_forced(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: j
 
 
 # ------------------------------------------------------------------- policy --
-class ActionTokenPolicy:
+class ActionTokenPolicy(layers.TreeOwner):
   """OpenVLA-style action-token VLA (``config.name='action_token_vla'``) for RL.
 
   The chain stored for PPO is ``[B, 1, H, A]`` float32 bin indices; its log-prob is the sum
@@ -293,6 +293,8 @@ class ActionTokenPolicy:
     config: the ``model`` sub-config.
     spec: the environment's static description.
   """
+
+  tree_builder = staticmethod(build)
 
   def __init__(self, config: ml_collections.ConfigDict, spec: protocol.EnvSpec):
     self.tokenizer = tokenizer_lib.make_tokenizer(config.tokenizer, config.max_token_len,
@@ -311,22 +313,6 @@ class ActionTokenPolicy:
     self.num_bins = self.net.num_bins
 
   # ---------------------------------------------------------------- helpers --
-  def build(self, rng: jax.Array | int = 0):
-    """The parameter tree as NNX nodes (with logical-axis metadata)."""
-    return build(self.net, nnx.Rngs(params=rng))
-
-  def init(self, rng: jax.Array) -> contract.Params:
-    """Fresh parameters (a pure nested dict)."""
-    return nnx.to_pure_dict(nnx.state(self.build(rng), nnx.Param))
-
-  def abstract_params(self) -> contract.Params:
-    """Shapes and dtypes of the parameters, without allocating them."""
-    return layers.abstract_tree(build, self.net)[0]
-
-  def logical_axes(self) -> dict:
-    """Logical axis names of every parameter (same tree as :meth:`init`)."""
-    return layers.abstract_tree(build, self.net)[1]
-
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]:
     """Observation -> ``images [B, N, H, W, 3]``, ``image_mask [B, N]``, ``state [B, S]``,
     ``tokens/token_mask [B, L]``.

@@ -97,6 +97,34 @@ def abstract_tree(build: Callable[..., nnx.Module], net: Any) -> tuple[dict, dic
   return copy.deepcopy(_abstract_tree(build, net))
 
 
+
+class TreeOwner:
+  """A policy's parameter-tree methods, for a policy whose tree is ``tree_builder(net, rngs)``.
+
+  Subclasses set ``tree_builder`` (``staticmethod(build)`` of their network module) and
+  ``self.net`` (the network's frozen config); ``init``, ``abstract_params`` and
+  ``logical_axes`` of the policy contract then come from here, once for every policy.
+  """
+
+  tree_builder: Callable[..., "Node"]
+  net: Any
+
+  def build(self, rng: jax.Array | int = 0):
+    """The parameter tree as NNX nodes (with logical-axis metadata)."""
+    return self.tree_builder(self.net, nnx.Rngs(params=rng))
+
+  def init(self, rng: jax.Array) -> dict:
+    """Fresh parameters (a pure nested dict)."""
+    return nnx.to_pure_dict(nnx.state(self.build(rng), nnx.Param))
+
+  def abstract_params(self) -> dict:
+    """Shapes and dtypes of the parameters, without allocating them."""
+    return abstract_tree(self.tree_builder, self.net)[0]
+
+  def logical_axes(self) -> dict:
+    """Logical axis names of every parameter (same tree as :meth:`init`)."""
+    return abstract_tree(self.tree_builder, self.net)[1]
+
 # ----------------------------------------------------------------- functions --
 def apply_dense(p: dict, x: jax.Array, dtype=None) -> jax.Array:
   """``x [..., din] @ kernel + bias`` in ``dtype`` (default: ``x``'s)."""

@@ -370,7 +370,7 @@ def steer_image_input(cfg: Pi0Config, p: dict, prefix: Prefix) -> jax.Array:
   only a blurred summary of an object's position (a linear probe of the cube's x/y
   on PushCube: R^2 0.6 from pi0's state token). A masked camera's tokens read as 0.
   """
-  n = steer_image_width(cfg) // cfg.steer_image_channels
+  n = cfg.num_cameras * tokens_per_image(cfg)
   tokens = prefix.hidden[:, :n].astype(jnp.float32)
   read = layers.apply_dense(p["rl"]["steer_image"], tokens) * prefix.mask[:, :n, None]
   return read.reshape(read.shape[0], -1)

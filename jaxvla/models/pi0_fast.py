@@ -283,7 +283,7 @@ def log_probs(cfg: Pi0FastConfig, p: dict, out: jax.Array, temperature: float) -
 
 
 # ------------------------------------------------------------------- policy --
-class Pi0FastPolicy:
+class Pi0FastPolicy(layers.TreeOwner):
   """openpi's pi0-FAST (``config.name='pi0_fast'``) for RL over its action tokens.
 
   The chain stored for PPO is the emitted VLM ids ``[B, 1, T, 1]`` (float32, exact below
@@ -300,6 +300,8 @@ class Pi0FastPolicy:
     config: the ``model`` sub-config.
     spec: the environment's static description.
   """
+
+  tree_builder = staticmethod(build)
 
   def __init__(self, config: ml_collections.ConfigDict, spec: protocol.EnvSpec):
     if not config.fast_tokenizer_path:
@@ -325,22 +327,6 @@ class Pi0FastPolicy:
     self.encode_counts = {"rows": 0, "left_out": 0}
 
   # ---------------------------------------------------------------- helpers --
-  def build(self, rng: jax.Array | int = 0):
-    """The parameter tree as NNX nodes (with logical-axis metadata)."""
-    return build(self.net, nnx.Rngs(params=rng))
-
-  def init(self, rng: jax.Array) -> contract.Params:
-    """Fresh parameters (a pure nested dict)."""
-    return nnx.to_pure_dict(nnx.state(self.build(rng), nnx.Param))
-
-  def abstract_params(self) -> contract.Params:
-    """Shapes and dtypes of the parameters, without allocating them."""
-    return layers.abstract_tree(build, self.net)[0]
-
-  def logical_axes(self) -> dict:
-    """Logical axis names of every parameter (same tree as :meth:`init`)."""
-    return layers.abstract_tree(build, self.net)[1]
-
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]:
     """Observation -> ``images [B, N, H, W, 3]``, ``image_mask [B, N]``, ``state [B, S]``,
     ``tokens/token_mask [B, L]`` (the FAST prefix, the discretised state in it)."""

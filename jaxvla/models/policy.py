@@ -19,7 +19,7 @@ from jaxvla.models import tokenizer as tokenizer_lib
 from jaxvla.models.contract import ActOutput, Evaluation, Params, Policy
 
 
-class FlowPolicy:
+class FlowPolicy(layers.TreeOwner):
   """pi0 / pi0.5 flow-matching VLA (``config.name``) with a stochastic sampler for RL.
 
   The network's action and state sizes may exceed the env's (openpi pads both to
@@ -31,6 +31,8 @@ class FlowPolicy:
     config: the ``model`` sub-config.
     spec: the environment's static description.
   """
+
+  tree_builder = staticmethod(pi0.build)
 
   def __init__(self, config: ml_collections.ConfigDict, spec: protocol.EnvSpec):
     self.tokenizer = tokenizer_lib.make_tokenizer(config.tokenizer, config.max_token_len,
@@ -66,22 +68,6 @@ class FlowPolicy:
     self.log_prob_terms = (1 if per_dim else self.num_steps) * self.chunk_len * self.action_dim
 
   # ---------------------------------------------------------------- helpers --
-  def build(self, rng: jax.Array | int = 0):
-    """The parameter tree as NNX nodes (with logical-axis metadata)."""
-    return pi0.build(self.net, nnx.Rngs(params=rng))
-
-  def init(self, rng: jax.Array) -> Params:
-    """Fresh parameters (a pure nested dict)."""
-    return nnx.to_pure_dict(nnx.state(self.build(rng), nnx.Param))
-
-  def abstract_params(self) -> Params:
-    """Shapes and dtypes of the parameters, without allocating them."""
-    return layers.abstract_tree(pi0.build, self.net)[0]
-
-  def logical_axes(self) -> dict:
-    """Logical axis names of every parameter (same tree as :meth:`init`)."""
-    return layers.abstract_tree(pi0.build, self.net)[1]
-
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]:
     """Observation -> ``images [B, N, H, W, 3]``, ``image_mask [B, N]``, ``state [B, S]``,
     ``tokens/token_mask [B, L]``.
