@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 
 from jaxvla.envs import protocol
 from jaxvla.models import action_token_vla, contract, denoise, layers, pi0, pi0_fast
