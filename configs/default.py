@@ -14,13 +14,16 @@ Variants (``--config=configs/default.py:VARIANT``):
           evaluation episodes only at the start and the end.
   check   the learner-breakage check of the per-submission suite (tests/test_learner_check.py):
           the parity setting at a third of its budget, a few minutes on two CPU cores.
+  fast    the main job with openpi's pi0-FAST (tiny) instead of pi0: the FAST tokenizer is
+          fitted on the warm start's demonstrations, then BC on its tokens and PPO over the
+          emitted tokens (docs/results/default_run.md, "pi0-FAST").
 """
 
 import ml_collections
 
 from jaxvla import defaults
 
-VARIANTS = ("", "smoke", "bc_only", "bench", "parity", "check")
+VARIANTS = ("", "smoke", "bc_only", "bench", "parity", "check", "fast")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -83,4 +86,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       c.bc.num_episodes = 400
       c.bc.num_steps = 400
       c.eval.num_episodes = 128
+  elif variant == "fast":
+    c.model.name = "pi0_fast"
+    # ColorReach's chunks (5 steps x 2 dims) take 3 to 8 FAST tokens; with "action", "|" and
+    # eos a postfix is at most about 11, so 24 leaves room and bounds a wandering sample.
+    c.model.max_action_tokens = 24
+    c.model.max_token_len = 16  # The prefix holds the discretised state too.
   return c

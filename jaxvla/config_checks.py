@@ -80,9 +80,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
            "'prefix' cannot see the state of a state-only env: pi0 reads the state in its "
            "action expert, and the prefix holds only a placeholder image and the instruction; "
            "use 'expert'")
-  _require(not c.model.init_checkpoint or c.model.name in ("pi0", "pi05"), "model.init_checkpoint",
-           f"openpi checkpoints hold pi0 / pi0.5 trees; model.name={c.model.name!r} cannot load "
-           f"{c.model.init_checkpoint!r}")
+  _require(not c.model.init_checkpoint or c.model.name in ("pi0", "pi05", "pi0_fast"),
+           "model.init_checkpoint", f"openpi checkpoints hold pi0 / pi0.5 / pi0-FAST trees; "
+           f"model.name={c.model.name!r} cannot load {c.model.init_checkpoint!r}")
   lora.check_config(c.model)
   if c.env.name == "maniskill":
     maniskill.check_config(c.env)

@@ -133,7 +133,11 @@ def get_config() -> ml_collections.ConfigDict:
   # (the camera's spatial layout; 0: the pooled features only).
   c.model.steer_image_channels = 0
   c.model.num_bins = 256  # action_token_vla: bins per action dimension (tokens per bin).
-  c.model.fast_tokenizer_path = ""  # pi0_fast: FAST tokenizer directory (fast_tokenizer.save's files).
+  # pi0_fast: FAST tokenizer directory (fast_tokenizer.save's or HuggingFace's files); '':
+  # fitted on the warm start's demonstrations at fast_scale and fast_vocab_size.
+  c.model.fast_tokenizer_path = ""
+  c.model.fast_scale = 10.0  # pi0_fast fit: DCT coefficients rounded to 1 / fast_scale (openpi's).
+  c.model.fast_vocab_size = 1024  # pi0_fast fit: BPE vocabulary (openpi's universal one: 2048).
   c.model.max_action_tokens = 256  # pi0_fast: most tokens decoded per chunk (openpi's max_decoding_steps).
   c.model.temperature = 1.0  # pi0_fast: sampling temperature of act('train') and its log-probs.
 

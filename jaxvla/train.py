@@ -45,6 +45,7 @@ from jaxvla.learner import guard as guard_lib
 from jaxvla.learner import learner as learner_lib
 from jaxvla.learner import update as update_lib
 from jaxvla.models import contract, openpi_import, policy as policy_lib
+from jaxvla.models import fast_tokenizer as fast_lib
 from jaxvla.parallel import distributed
 from jaxvla.parallel import sharding as sharding_lib
 from jaxvla.runtime import ledger as ledger_lib
@@ -164,7 +165,11 @@ def _build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     eval_env = _eval_env(config) if distributed.is_primary() else None
     if eval_env is not None:
       closing.callback(eval_env.close)
-    policy = policy_lib.make_policy(config.model, env.spec)
+    model = config.model
+    if model.name == "pi0_fast":  # (its vocabulary sizes the network: fitted first)
+      model = model.copy_and_resolve_references()
+      model.fast_tokenizer_path = warm_start_lib.fast_tokenizer_dir(config, workdir, env.spec)
+    policy = policy_lib.make_policy(model, env.spec)
     # The learner mesh: this host's learner devices (config.mesh.{data,fsdp,tensor}); the
     # rollout acts on config.mesh.rollout_devices (by default the same devices).
     # (Multi-process: the learner devices of every process, this process's rollout devices.)
@@ -206,6 +211,8 @@ def _eval_env(config: ml_collections.ConfigDict) -> protocol.VecEnv:
 def _eval_policy_name(config) -> str:
   if config.model.name == "action_token_vla":
     return "greedy (argmax) token decoding"
+  if config.model.name == "pi0_fast":
+    return "greedy (argmax) FAST token decoding"
   return f"the '{config.model.eval_sampler}' sampler"
 
 
@@ -285,7 +292,7 @@ def _initial_state(config, s: Setup, keys: Keys, written: dict | None = None,
   run.warm_start_eval = _evaluate(config, s, normalizer, params, keys.eval)
   run.warm_start_success_rate = run.warm_start_eval["success_rate"]
   s.writer.write(0, "warm_start", dict(bc_metrics, **run.warm_start_eval,
-                                       wall_s=run.bc_wall_s))
+                                       **contract.host_counts(s.policy), wall_s=run.bc_wall_s))
   log.info("warm start: %s eval=%s", bc_metrics, run.warm_start_eval)
   state = s.learner.shard_state(learner_lib.init_state(params, s.learner.ppo_tx, keys.rl))
   s.checkpointer.save(0, state, dataclasses.asdict(run))
@@ -484,7 +491,8 @@ def _rl_loop(config, s: Setup, start: Start, pipe: pipeline_lib.Pipeline, eval_k
         window = pipe.meters.window()
         s.writer.write(run.env_steps, "train", dict(
             info.metrics, env_steps_per_s=sps, iteration_s=learner_s,
-            dropped_env_steps=info.dropped_env_steps, **window))
+            dropped_env_steps=info.dropped_env_steps, **window,
+            **contract.host_counts(s.policy)))
         guard.check(float(info.metrics["nonfinite"]), run.iteration)  # (after its record)
         done = run.env_steps >= config.total_env_steps
         if run.iteration % config.eval.every_iters == 0 or done:
@@ -569,6 +577,7 @@ def _finish(config, s: Setup, start: Start, pipe: pipeline_lib.Pipeline, rl: _RL
   if distributed.is_primary():  # (the export acts correctly with nothing else)
     norm_lib.save_normalizer(export_dir, start.normalizer)
     policy_io.write_spec(export_dir, s.spec)
+    fast_lib.save_beside(export_dir, s.policy)  # (pi0-FAST's tokenizer)
   wall_s = time.perf_counter() - t_start
   summary = Summary(
       env_steps=run.env_steps, env_steps_this_process=run.env_steps - rl.start_env_steps,

@@ -4,10 +4,16 @@
 scripted expert into the run's workdir as an RLDS dataset, once; :func:`warm_start` checks
 that the dataset fits the policy and trains on it for ``config.bc.num_steps`` steps,
 with a progress line at a steady pace when the output is not a terminal.
+
+A pi0-FAST run needs its FAST tokenizer before its policy exists (the vocabulary sizes the
+network): :func:`fast_tokenizer_dir` fits it on the same demonstrations, in the policy's
+normalised action space, and keeps it in the workdir, where the checkpoints' and the
+export's readers find it (:func:`jaxvla.storage.policy_io.load`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -25,9 +31,13 @@ from jaxvla.envs import protocol
 from jaxvla.learner import guard as guard_lib
 from jaxvla.learner import learner as learner_lib
 from jaxvla.models import contract
+from jaxvla.models import fast_tokenizer as fast_lib
 from jaxvla.parallel import distributed
 
 log = logging.getLogger(__name__)
+
+DEMOS_DIR = "demos"  # <workdir>/demos: the recorded demonstrations (RLDS).
+DEMOS_SUMMARY = "demos_summary.json"  # <workdir>/...: what recording them gave (collect's).
 
 
 def demonstrations(config, workdir: str, spec: protocol.EnvSpec
@@ -41,10 +51,10 @@ def demonstrations(config, workdir: str, spec: protocol.EnvSpec
   """
   if config.data.path:
     return config.data, {}
-  out = os.path.join(workdir, "demos")
-  figures = {}
+  out = os.path.join(workdir, DEMOS_DIR)
+  summary_file = os.path.join(workdir, DEMOS_SUMMARY)
   if distributed.is_primary():
-    if os.path.isdir(out):  # (a run that stopped during its warm start recorded them)
+    if os.path.isdir(out):  # (recorded earlier in this run: a FAST fit, or a stopped run)
       log.info("warm start: reading the demonstrations already recorded in %s", out)
     else:
       t0 = time.perf_counter()
@@ -54,12 +64,59 @@ def demonstrations(config, workdir: str, spec: protocol.EnvSpec
       log.info("warm start: recorded %d demonstrations (%d steps; %d attempted, success %.3f) "
                "in %s in %.1f s", summary["episodes"], summary["steps"], summary["attempted"],
                summary["success_rate"], out, time.perf_counter() - t0)
-      figures = dict(demo_success_rate=summary["success_rate"])
+      with open(summary_file, "w", encoding="utf-8") as f:
+        json.dump(summary, f)
+  figures = {"demo_success_rate": -1.0}
+  if distributed.is_primary() and os.path.exists(summary_file):
+    with open(summary_file, encoding="utf-8") as f:
+      figures["demo_success_rate"] = float(json.load(f)["success_rate"])
   # Every process reads the dataset once process 0 has written it (a collective).
-  figures = distributed.broadcast_from_primary(
-      dict(demo_success_rate=figures.get("demo_success_rate", -1.0)))
+  figures = distributed.broadcast_from_primary(figures)
   d = data_config.recorded(config.data, out, spec.camera_names)
   return d, ({} if figures["demo_success_rate"] < 0 else figures)
+
+
+def fast_tokenizer_dir(config: ml_collections.ConfigDict, workdir: str,
+                       spec: protocol.EnvSpec) -> str:
+  """The FAST tokenizer of a pi0-FAST run: ``<workdir>/fast_tokenizer``, made once.
+
+  ``config.model.fast_tokenizer_path`` set: that tokenizer, copied there (so the run's
+  checkpoints and export carry it). Empty: fitted there on the warm start's demonstrations
+  (:func:`demonstrations`), each step's next ``model.chunk_len`` actions (repeating the
+  episode's last past its end, as LeRobot's chunks do) in the policy's action space (the
+  ``config.data.normalize`` normalisation), at ``model.fast_scale`` and
+  ``model.fast_vocab_size``. A resumed run finds the directory and uses it as it is.
+
+  Process 0 writes it; every process returns its path.
+  """
+  own = os.path.join(workdir, fast_lib.RUN_DIR)
+  if distributed.is_primary() and not os.path.isdir(own):
+    m = config.model
+    if m.fast_tokenizer_path:
+      fast_lib.FastTokenizer.load(m.fast_tokenizer_path).save(own)
+      log.info("FAST tokenizer: %s, copied to %s", m.fast_tokenizer_path, own)
+    else:
+      if config.bc.num_steps == 0 and not config.data.path:
+        raise ValueError("config.model.fast_tokenizer_path is empty and bc.num_steps=0: pi0_fast "
+                         "fits its FAST tokenizer on the warm start's demonstrations; give a "
+                         "tokenizer directory or a dataset (config.data.path)")
+      d, _ = demonstrations(config, workdir, spec)
+      reader = data_loader.open_reader(d)
+      normalizer = data_loader.normalizer_from_config(d, reader)
+      actions = reader.table.actions
+      if normalizer is not None:
+        actions = normalizer.action_labels(actions)
+      chunks = fast_lib.dataset_chunks(actions, reader.table.lengths, m.chunk_len)
+      t0 = time.perf_counter()
+      tokenizer = fast_lib.FastTokenizer.fit(chunks, scale=m.fast_scale,
+                                             vocab_size=m.fast_vocab_size)
+      tokenizer.save(own)
+      figures = fast_lib.measure(tokenizer, chunks)
+      log.info("FAST tokenizer: fitted on %d chunks of %s in %.1f s (%d BPE ids): %s; saved in "
+               "%s", len(chunks), d.path, time.perf_counter() - t0, tokenizer.bpe_vocab_size,
+               figures, own)
+  distributed.broadcast_from_primary({"written": 1.0})  # (the others wait for the files)
+  return own
 
 
 def _check_dataset_fits(reader, d: ml_collections.ConfigDict, spec: protocol.EnvSpec) -> None:

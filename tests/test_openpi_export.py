@@ -21,7 +21,8 @@ from flax import traverse_util
 from configs import default
 from jaxvla.data import norm_stats
 from jaxvla.envs import builtin
-from jaxvla.models import layers, lora, openpi_export, openpi_import, summary
+from jaxvla.models import fast_tokenizer, layers, lora, openpi_export, openpi_import, pi0
+from jaxvla.models import pi0_fast, summary
 from jaxvla.models import policy as policy_lib
 from jaxvla.storage import policy_io
 from tests.conftest import ROOT
@@ -225,3 +226,54 @@ def test_cli_exports_a_jaxvla_export(tmp_path):
                           f"--out={tmp_path / 'openpi'}", "--asset_id=colorreach"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert again.returncode != 0 and "exists" in again.stderr.splitlines()[-1]
+
+
+def _fast_policy(tmp_path):
+  """A tiny pi0-FAST with a FAST tokenizer fitted on smooth chunks, distinct param values."""
+  fast_dir = str(tmp_path / "fast")
+  chunks = fast_tokenizer.smooth_chunks(np.random.default_rng(0), 200, 5, 2)
+  fast_tokenizer.FastTokenizer.fit(chunks, vocab_size=256).save(fast_dir)
+  c = default.get_config("fast")
+  c.model.update(fast_tokenizer_path=fast_dir, max_action_tokens=12)
+  env = builtin.make(c.env, 2, 0)
+  pol = policy_lib.make_policy(c.model, env.spec)
+  params = jax.tree.map(lambda x: x + 0.01 * jnp.sin(jnp.arange(x.size).reshape(x.shape) + 1.0),
+                        pol.init(jax.random.PRNGKey(0)))
+  return c, env, pol, params
+
+
+def test_pi0_fast_export_is_openpis_and_reads_back_with_its_tokenizer(tmp_path):
+  """pi0-FAST's export: openpi's full-size tree (paths, float32), the policy's values, its
+  FAST tokenizer beside; policy_io reads it back as an openpi checkpoint, finding that
+  tokenizer, and it decodes the same tokens."""
+  full = openpi_export._spec("pi0_fast")  # pylint: disable=protected-access
+  net = pi0_fast.Pi0FastConfig(
+      llm=pi0.VARIANTS["full"][0], vit=pi0.VARIANTS["full"][2], image_size=224, num_cameras=3,
+      action_dim=32, chunk_len=10, vocab_size=pi0.PALIGEMMA_VOCAB_SIZE, max_action_tokens=256,
+      eos_id=1, temperature=1.0, dtype="bfloat16", remat=False, value_hidden=64)
+  tree = jax.eval_shape(lambda p: openpi_export.openpi_tree(p, "pi0_fast", image_size=224,
+                                                            patch_size=net.vit.patch_size),
+                        layers.abstract_tree(pi0_fast.build, net)[0])
+  assert {k: (list(v.shape), str(v.dtype)) for k, v in openpi_import.flatten(tree).items()} == {
+      k: (v["shape"], v["dtype"]) for k, v in full.items()}
+  c, env, pol, params = _fast_policy(tmp_path)
+  loaded = policy_io.LoadedPolicy(config=c, spec=env.spec, policy=pol, params=params,
+                                  normalizer=_normalizer("quantile"), kind="export", path="")
+  out = openpi_export.export_loaded(str(tmp_path / "ckpt"), loaded, "colorreach")
+  restored = openpi_import.flatten(_openpi_restore_params(out["params"]))
+  assert sorted(restored) == sorted(full)
+  ours = openpi_import.flatten(params)
+  for path in full:
+    assert restored[path].dtype == np.float32, path
+    if path != openpi_export.POS_EMBEDDING:  # (sincos2d's fixed table, written there)
+      np.testing.assert_array_equal(restored[path], ours[path], err_msg=path)
+  assert out["fast_tokenizer"] == str(tmp_path / "ckpt" / fast_tokenizer.RUN_DIR)
+  bare = c.copy_and_resolve_references()
+  bare.model.update(fast_tokenizer_path="", posemb="learn")  # (openpi's learned table)
+  back = policy_io.load(str(tmp_path / "ckpt"), bare)
+  assert back.kind == "openpi" and back.normalizer.mode == "quantile"
+  assert back.config.model.fast_tokenizer_path == out["fast_tokenizer"]
+  batch = pol.prepare(env.observe())
+  key = jax.random.PRNGKey(1)
+  chain = lambda p, params: jax.jit(lambda q: p.act(q, batch, key, "eval").chain)(params)
+  np.testing.assert_array_equal(chain(back.policy, back.params), chain(pol, params))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxvla import warm_start
 from jaxvla.envs import builtin
 from jaxvla.models import fast_tokenizer as fast_lib, gemma, layers, pi0, pi0_fast, siglip
 from jaxvla.models import policy as policy_lib
@@ -214,3 +215,21 @@ def test_prompt_longer_than_max_token_len_names_the_key(fast_dir):
   pol = policy_lib.make_policy(c.model, env.spec)
   with pytest.raises(ValueError, match="model.max_token_len=4"):
     pol.prepare(env.observe())
+
+
+def test_a_run_keeps_its_tokenizer_in_the_workdir(fast_dir, tmp_path):
+  """warm_start.fast_tokenizer_dir: a given tokenizer is copied into the workdir (the run's
+  checkpoints and export carry it) and a resumed run finds it there; with no tokenizer, no
+  dataset and no warm start there is nothing to fit it on, and the error says so."""
+  c = _config(fast_tokenizer_path=fast_dir)
+  spec = builtin.make(c.env, 1, 0).spec
+  own = warm_start.fast_tokenizer_dir(c, str(tmp_path / "run"), spec)
+  assert own == str(tmp_path / "run" / fast_lib.RUN_DIR)
+  ids = np.array(fast_lib.FastTokenizer.load(fast_dir).encode(np.zeros((1, 5, 2)))[0])
+  np.testing.assert_array_equal(fast_lib.FastTokenizer.load(own).encode(np.zeros((1, 5, 2)))[0],
+                                ids)
+  c.model.fast_tokenizer_path = "/nonexistent"  # (resumed: the workdir's own is used)
+  assert warm_start.fast_tokenizer_dir(c, str(tmp_path / "run"), spec) == own
+  c.model.fast_tokenizer_path, c.bc.num_steps = "", 0
+  with pytest.raises(ValueError, match="model.fast_tokenizer_path is empty and bc.num_steps=0"):
+    warm_start.fast_tokenizer_dir(c, str(tmp_path / "other"), spec)

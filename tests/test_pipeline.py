@@ -2,6 +2,8 @@
 the streamed learner against the non-streamed one, and every mode end to end."""
 
 import functools
+import json
+import os
 import threading
 import time
 
@@ -16,6 +18,7 @@ from jaxvla import train, types
 from jaxvla.envs import builtin, make_vec_env, protocol
 from jaxvla.learner import learner as learner_lib
 from jaxvla.learner import optimizers as optimizers_lib
+from jaxvla.models import fast_tokenizer as fast_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.rollout import pacer as pacer_lib
 from jaxvla.rollout import rollout as rollout_lib
@@ -23,6 +26,7 @@ from jaxvla.rollout import segments as segments_lib
 from jaxvla.runtime import broadcast as broadcast_lib
 from jaxvla.runtime import pipeline as pipeline_lib
 from jaxvla.runtime import queue as queue_lib
+from jaxvla.storage import policy_io
 from tests import end_to_end
 
 
@@ -443,17 +447,18 @@ def test_streamed_proximal_snapshot_keeps_the_rollout_dtype():
 # ---------------------------------------------------------------- end to end --
 # Each run also trains one policy variant end to end (BC warm start, rollout, PPO,
 # evaluation): pi0 with the expert's state-token value and the flow-noise sampler, pi0.5,
-# and the default tiny pi0 (prefix value, flow-SDE sampler), which
-# tests/test_checkpoint.py::test_resume_continues_run also trains in `sync_colocated`
-# mode, with these same checks.
+# pi0-FAST (its tokenizer fitted on the run's demonstrations), and the default tiny pi0
+# (prefix value, flow-SDE sampler), which tests/test_checkpoint.py::test_resume_continues_run
+# trains in `sync_colocated` mode, with these same checks.
 _PI0_EXPERT_NOISE = dict(name="pi0", value_source="expert", train_sampler="flow_noise")
 _PI05 = dict(name="pi05", value_source="prefix", train_sampler="flow_sde")
+_FAST = dict(name="pi0_fast", max_action_tokens=16, max_token_len=16)
 
 
 @pytest.mark.run_first
 @pytest.mark.parametrize("mode,switches", [
     ("sync_disaggregated", dict(model=_PI0_EXPERT_NOISE)),
-    ("async", dict(train_async=True, rollout_async=False, streamer=False)),
+    ("async", dict(train_async=True, rollout_async=False, streamer=False, model=_FAST)),
     ("async", dict(train_async=True, rollout_async=True, streamer=True,
                    staleness_control="pace")),
     ("async", dict(train_async=False, rollout_async=True, streamer=False, model=_PI05)),
@@ -462,6 +467,33 @@ def test_every_mode_trains_end_to_end(tmp_path, mode, switches):
   c = end_to_end.smoke_config(mode=mode, **switches)
   workdir = str(tmp_path / "run")
   end_to_end.check_run(c, train.train_and_evaluate(c, workdir), workdir)
+  if c.model.name == "pi0_fast":
+    _check_fast_run(c, workdir)
+
+
+def _check_fast_run(c, workdir: str) -> None:
+  """A pi0-FAST run: its tokenizer fitted on the demonstrations and kept in the workdir and
+  the export, its decode counts in the metrics, and its export and checkpoints loaded back
+  (policy_io, the path eval and serve take) acting as the run's policy did."""
+  for where in (workdir, os.path.join(workdir, "export")):
+    assert os.path.exists(os.path.join(where, fast_lib.RUN_DIR, fast_lib.PROCESSOR_CONFIG)), where
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["model"]["fast_tokenizer_path"] == ""  # (the run's own is found)
+  recs = end_to_end.records(workdir)
+  warm = [r for r in recs if r["phase"] == "warm_start"][0]
+  assert warm["fast_encoded_chunks"] >= c.bc.num_steps * c.bc.batch_size
+  last = [r for r in recs if r["phase"] == "train"][-1]
+  assert last["fast_decoded_rows"] >= last["env_steps"] / c.model.chunk_len
+  assert 0.0 <= last["fast_malformed_frac"] <= 1.0
+  export = policy_io.load(os.path.join(workdir, "export"))
+  run = policy_io.load(workdir)
+  assert export.config.model.fast_tokenizer_path.startswith(os.path.join(workdir, "export"))
+  env = builtin.make(c.env, 4, 0)
+  batch = export.policy.prepare(env.observe())
+  act = lambda p, params: jax.jit(functools.partial(p.act, mode="eval"))(
+      params, batch, jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(act(export.policy, export.params).chain,
+                                act(run.policy, run.params).chain)
 
 
 @pytest.mark.run_first

@@ -18,6 +18,9 @@ uniformly. Every method but :meth:`Policy.prepare` is pure and jittable.
 * ``value(params, batch) -> [B]``: the state value alone (GAE bootstraps).
 * ``bc_loss(params, batch, actions, rng, mask=None)``: the supervised loss on expert
   chunks; ``mask [B, H]`` (bool) leaves out the actions past an episode's end.
+
+Optional: ``host_counts() -> {name: number}``, counters a policy keeps on the host (pi0-FAST's
+decoded and malformed token rows); the run writes them with its metrics (:func:`host_counts`).
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ class Evaluation:
   log_prob_dims: jax.Array
   value: jax.Array
   entropy: jax.Array
+
+
+def host_counts(policy) -> dict[str, float]:
+  """The policy's host-side counters (its optional ``host_counts()``), else ``{}``."""
+  counts = getattr(policy, "host_counts", None)
+  return dict(counts()) if counts is not None else {}
 
 
 class Policy(Protocol):

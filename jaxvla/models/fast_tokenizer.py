@@ -72,6 +72,8 @@ from scipy import fft
 FAST_SKIP_TOKENS = 128  # openpi's: PaliGemma's last 128 ids are special tokens.
 PALIGEMMA_VOCAB_SIZE = 257152  # PaliGemma's tokenizer.vocab_size(), openpi's V.
 
+# A run's (and its export's) own tokenizer: <workdir>/fast_tokenizer, <export>/fast_tokenizer.
+RUN_DIR = "fast_tokenizer"
 PROCESSOR_CONFIG = "processor_config.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -348,6 +350,18 @@ class FastTokenizer:
                time_horizon=_field(config, "time_horizon", where, optional=True),
                action_dim=_field(config, "action_dim", where, optional=True),
                clean_up_spaces=bool(clean_up))
+
+
+def save_beside(directory: str, policy: Any) -> str | None:
+  """Writes a pi0-FAST policy's tokenizer (its ``fast`` attribute) to ``directory/``
+  :data:`RUN_DIR`, where the policy's readers look; returns that path (None, writing nothing,
+  for a policy without one)."""
+  fast = getattr(policy, "fast", None)
+  if not isinstance(fast, FastTokenizer):
+    return None
+  out = os.path.join(directory, RUN_DIR)
+  fast.save(out)
+  return out
 
 
 def _write_json(file: str, value: dict) -> None:

@@ -1,4 +1,5 @@
-"""Export of a pi0 / pi0.5 policy in openpi's checkpoint layout, for openpi's own tools.
+"""Export of a pi0 / pi0.5 / pi0-FAST policy in openpi's checkpoint layout, for openpi's own
+tools.
 
 This file owns the jaxvla -> openpi direction (:mod:`jaxvla.models.openpi_import` owns
 the other): which parameters an openpi checkpoint holds, in which dtypes, and the
@@ -6,11 +7,14 @@ directory it writes::
 
   <out>/params/                          orbax PyTree checkpoint, tree {"params": <openpi tree>}
   <out>/assets/<asset_id>/norm_stats.json  {"norm_stats": {"state": {...}, "actions": {...}}}
+  <out>/fast_tokenizer/                  pi0-FAST only: the FAST tokenizer's files (HuggingFace's
+                                         processor layout; openpi's Pi0FASTConfig takes it through
+                                         fast_model_tokenizer_kwargs={"fast_tokenizer_path": ...})
 
 openpi's ``restore_params`` reads ``params/`` with a plain ``PyTreeCheckpointer`` and
 ``normalize.load`` reads the norm stats (the file format is
 :mod:`jaxvla.data.norm_stats`'s). The tree is openpi's (``jaxvla/models/openpi_params.json``
-lists it with its dtypes):
+lists it with its dtypes; ``fast_openpi_params.json`` pi0-FAST's, float32 throughout):
 
 * ``rl/`` (the value head, the flow-noise std head) is dropped: openpi has no RL heads. A
   policy steered by a 'latent' or 'residual' sampler (``rl/steer_*``) is refused unless
@@ -46,7 +50,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxvla.data import norm_stats
-from jaxvla.models import layers, lora, openpi_import, summary
+from jaxvla.models import fast_tokenizer, layers, lora, openpi_import, summary
 
 PARAMS_DIR = "params"
 ASSETS_DIR = "assets"
@@ -56,11 +60,17 @@ POS_EMBEDDING = "PaliGemma/img/pos_embedding"
 # openpi normalises pi0's state and actions by z-score and pi0.5's (and FAST's) by
 # quantiles (its DataConfigFactory: use_quantile_norm = model_type != PI0). The one
 # owner of that rule: jaxvla.storage.policy_io reads openpi checkpoints with it.
-OPENPI_NORM_MODE = {"pi0": "zscore", "pi05": "quantile"}
+OPENPI_NORM_MODE = {"pi0": "zscore", "pi05": "quantile", "pi0_fast": "quantile"}
+FAST_SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_openpi_params.json")
 
 
 def _spec(model: str, spec_path: str = summary.DEFAULT_SPEC) -> dict[str, dict]:
-  """openpi's ``{path: {"shape", "dtype"}}`` for ``model`` ('pi0' or 'pi05')."""
+  """openpi's ``{path: {"shape", "dtype"}}`` for ``model`` ('pi0', 'pi05' or 'pi0_fast', whose
+  full-size tree :data:`FAST_SPEC` holds: openpi stores it in float32)."""
+  if model == "pi0_fast":
+    with open(FAST_SPEC, encoding="utf-8") as f:
+      return {path: {"shape": shape, "dtype": "float32"}
+              for path, shape in json.load(f)["full"].items()}
   with open(spec_path, encoding="utf-8") as f:
     models = json.load(f)["models"]
   if model not in models:
@@ -74,11 +84,11 @@ def _has_lora(tree: Mapping[str, Any]) -> bool:
 
 def openpi_tree(params: Mapping[str, Any], model: str, *, image_size: int,
                 patch_size: int) -> dict[str, Any]:
-  """jaxvla pi0 / pi0.5 params -> openpi's nested tree in openpi's dtypes (jittable).
+  """jaxvla pi0 / pi0.5 / pi0-FAST params -> openpi's nested tree in openpi's dtypes (jittable).
 
   Args:
     params: the policy's parameters (``rl/`` and LoRA adapters allowed).
-    model: 'pi0' or 'pi05' (which openpi tree).
+    model: 'pi0', 'pi05' or 'pi0_fast' (which openpi tree).
     image_size, patch_size: the ViT's input side and patch, for the ``sincos2d`` table
       (a ``[1, (image_size // patch_size) ** 2, W]`` position embedding).
 
@@ -153,7 +163,7 @@ def export_openpi(out_dir: str, params: Mapping[str, Any],
     params: the policy's parameters (see :func:`openpi_tree`).
     normalizer: the policy's state / action normalisation (None: see ``identity_dims``).
     asset_id: openpi's ``data.asset_id`` (e.g. ``physical-intelligence/libero``).
-    model: 'pi0' or 'pi05'.
+    model: 'pi0', 'pi05' or 'pi0_fast'.
     image_size, patch_size: the ViT's (see :func:`openpi_tree`).
     allow_norm_mode_mismatch: write statistics of the mode openpi does not use for
       ``model`` (see the module docstring).
@@ -191,7 +201,8 @@ def export_openpi(out_dir: str, params: Mapping[str, Any],
 
 def export_loaded(out_dir: str, loaded, asset_id: str, *, identity_norm_stats: bool = False,
                   allow_norm_mode_mismatch: bool = False, base_only: bool = False) -> dict:
-  """:func:`export_openpi` of a :class:`jaxvla.storage.policy_io.LoadedPolicy` (pi0 / pi0.5 only).
+  """:func:`export_openpi` of a :class:`jaxvla.storage.policy_io.LoadedPolicy` (pi0, pi0.5 or
+  pi0-FAST, whose FAST tokenizer is written beside, in ``out_dir/fast_tokenizer``).
 
   A policy RL-trained with a steered sampler ('latent', 'residual') acts through its
   steering head (``rl/steer_*``), which openpi's tree has no place for: it is refused
@@ -200,17 +211,21 @@ def export_loaded(out_dir: str, loaded, asset_id: str, *, identity_norm_stats: b
   name = loaded.config.model.name
   net = getattr(loaded.policy, "net", None)
   if name not in OPENPI_NORM_MODE or net is None:
-    raise ValueError(f"config.model.name={name!r}: only pi0 / pi05 policies have openpi's "
-                     "tree")
+    raise ValueError(f"config.model.name={name!r}: only pi0 / pi05 / pi0_fast policies have "
+                     "openpi's tree")
   if getattr(loaded.policy, "steer", "") and not base_only:
     raise ValueError(f"the policy steers its flow with rl/steer_* (train_sampler="
                      f"{loaded.policy.steer!r}), which openpi's tree cannot hold: openpi "
                      "would run the unsteered base policy. Serve it with jaxvla.serve, or pass --base_only "
                      "(base_only=True) to export that base policy deliberately")
   dims = (loaded.spec.state_dim, loaded.spec.action_dim) if identity_norm_stats else None
-  return export_openpi(out_dir, loaded.params, loaded.normalizer, asset_id, model=name,
-                       image_size=net.image_size, patch_size=net.vit.patch_size,
-                       allow_norm_mode_mismatch=allow_norm_mode_mismatch, identity_dims=dims)
+  out = export_openpi(out_dir, loaded.params, loaded.normalizer, asset_id, model=name,
+                      image_size=net.image_size, patch_size=net.vit.patch_size,
+                      allow_norm_mode_mismatch=allow_norm_mode_mismatch, identity_dims=dims)
+  written = fast_tokenizer.save_beside(os.path.abspath(out_dir), loaded.policy)
+  if written:
+    out["fast_tokenizer"] = written
+  return out
 
 
 if __name__ == "__main__":

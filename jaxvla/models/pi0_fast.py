@@ -326,6 +326,17 @@ class Pi0FastPolicy(layers.TreeOwner):
     self.decode_counts = {"rows": 0, "malformed": 0}
     self.encode_counts = {"rows": 0, "left_out": 0}
 
+  def host_counts(self) -> dict[str, float]:
+    """The decode and encode counts since the policy was made (the run's metrics):
+    ``fast_decoded_rows`` / ``fast_malformed_rows`` (and their ratio
+    ``fast_malformed_frac``) over every act, evaluation's included;
+    ``fast_encoded_chunks`` / ``fast_left_out_chunks`` over the BC loss's expert chunks."""
+    with self._lock:
+      dec, enc = dict(self.decode_counts), dict(self.encode_counts)
+    return {"fast_decoded_rows": dec["rows"], "fast_malformed_rows": dec["malformed"],
+            "fast_malformed_frac": dec["malformed"] / max(dec["rows"], 1),
+            "fast_encoded_chunks": enc["rows"], "fast_left_out_chunks": enc["left_out"]}
+
   # ---------------------------------------------------------------- helpers --
   def prepare(self, obs: protocol.Observation) -> dict[str, np.ndarray]:
     """Observation -> ``images [B, N, H, W, 3]``, ``image_mask [B, N]``, ``state [B, S]``,

@@ -16,6 +16,11 @@
 A ``config`` passed for a jaxvla export or checkpoint replaces the stored one
 (e.g. another env to evaluate on); the stored model must still fit it.
 
+A pi0-FAST policy acts through the FAST tokenizer it was trained with: the directory's own
+``fast_tokenizer/`` (a run's workdir, an export, an openpi export written by jaxvla) takes
+the place of ``config.model.fast_tokenizer_path``; an openpi checkpoint without one needs
+that key set (e.g. to a copy of HuggingFace's ``physical-intelligence/fast``).
+
 The result (:class:`LoadedPolicy`) holds the config, the env spec the policy acts
 in, the policy, its params and the normaliser. The evaluation (:mod:`jaxvla.eval`),
 the policy server (:mod:`jaxvla.serve`) and the openpi export all load through here.
@@ -35,6 +40,7 @@ from jaxvla.data import norm_stats
 from jaxvla.envs import protocol
 from jaxvla.envs import spec_from_config, spec_from_json, spec_to_json
 from jaxvla.models import contract, openpi_import
+from jaxvla.models import fast_tokenizer as fast_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.models.openpi_export import OPENPI_NORM_MODE
 from jaxvla.storage import checkpoint
@@ -139,6 +145,18 @@ def write_spec(directory: str, spec: protocol.EnvSpec) -> None:
     json.dump(spec_to_json(spec), f, indent=2)
 
 
+def _with_own_fast_tokenizer(config: ml_collections.ConfigDict,
+                             directory: str) -> ml_collections.ConfigDict:
+  """pi0-FAST: the config, with ``model.fast_tokenizer_path`` at ``directory``'s own
+  tokenizer when it has one (the one the policy was trained with)."""
+  own = os.path.join(directory, fast_lib.RUN_DIR)
+  if config.model.name != "pi0_fast" or not os.path.isdir(own):
+    return config
+  config = config.copy_and_resolve_references()
+  config.model.fast_tokenizer_path = own
+  return config
+
+
 def _check_fits(params, policy: contract.Policy, where: str, hint: str) -> None:
   mismatch = checkpoint.params_mismatch(params, policy.abstract_params())
   if mismatch:
@@ -189,7 +207,8 @@ def load(path: str, config: ml_collections.ConfigDict | None = None, *,
   if step is not None and kind != "checkpoint":
     raise ValueError(f"step={step} is given but {path} is a {kind}, not a run's checkpoints")
   if kind == "export":
-    config = config or _read_config(os.path.join(path, CONFIG_FILE))
+    config = _with_own_fast_tokenizer(config or _read_config(os.path.join(path, CONFIG_FILE)),
+                                      path)
     spec = _spec(config, path)
     policy = policy_lib.make_policy(config.model, spec)
     params, _ = checkpoint.load_policy_params(path)
@@ -198,7 +217,9 @@ def load(path: str, config: ml_collections.ConfigDict | None = None, *,
   elif kind == "checkpoint":
     ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(
         os.path.join(path, "checkpoints")) else path
-    config = config or _read_config(os.path.join(os.path.dirname(ckpt_dir), CONFIG_FILE))
+    run_dir = os.path.dirname(ckpt_dir)
+    config = _with_own_fast_tokenizer(config or _read_config(os.path.join(run_dir, CONFIG_FILE)),
+                                      run_dir)
     spec = _spec(config, None)
     policy = policy_lib.make_policy(config.model, spec)
     step, params, meta = checkpoint.load_checkpoint_params(ckpt_dir, step)
@@ -213,6 +234,7 @@ def load(path: str, config: ml_collections.ConfigDict | None = None, *,
     if config.model.name not in OPENPI_NORM_MODE:
       raise ValueError(f"config.model.name={config.model.name!r}: an openpi checkpoint holds "
                        f"one of {sorted(OPENPI_NORM_MODE)}")
+    config = _with_own_fast_tokenizer(config, path)
     spec = _spec(config, None)
     policy = policy_lib.make_policy(config.model, spec)
     params = openpi_import.init_params(policy, jax.random.PRNGKey(config.seed),
