@@ -1,6 +1,6 @@
 """The tiny pi0-FAST: openpi's parameter tree, KV-cached decoding against the teacher-forced
-pass, the chain log-prob against NumPy, greedy determinism, malformed token rows, BC and
-config errors."""
+pass, the chain log-prob against NumPy, greedy determinism, malformed token rows, BC,
+config errors, the run's own tokenizer, and openpi's PaliGemma token layout."""
 
 import json
 import os
@@ -14,6 +14,7 @@ from jaxvla import warm_start
 from jaxvla.envs import builtin
 from jaxvla.models import fast_tokenizer as fast_lib, gemma, layers, pi0, pi0_fast, siglip
 from jaxvla.models import policy as policy_lib
+from jaxvla.models import tokenizer as tokenizer_lib
 
 SPEC = os.path.join(os.path.dirname(pi0_fast.__file__), "fast_openpi_params.json")
 T = 16  # max_action_tokens of the tests
@@ -233,3 +234,65 @@ def test_a_run_keeps_its_tokenizer_in_the_workdir(fast_dir, tmp_path):
   c.model.fast_tokenizer_path, c.bc.num_steps = "", 0
   with pytest.raises(ValueError, match="model.fast_tokenizer_path is empty and bc.num_steps=0"):
     warm_start.fast_tokenizer_dir(c, str(tmp_path / "other"), spec)
+
+
+@pytest.fixture(scope="module")
+def paligemma_sp(tmp_path_factory):
+  """A SentencePiece model with PaliGemma's special ids (pad 0, bos 2, eos 3) and its layout's
+  pieces, rare junk pieces at the top of its ids (where PaliGemma has its <loc> tokens, which
+  openpi's FAST ids replace). PaliGemma's own model cannot be downloaded here."""
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  junk = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 7)) for _ in range(400)]
+  corpus = ["Task: move to the red target, State: 12 200 3 128 255 0;\nAction: |",
+            "Task: reach the green target, State: 1 2 3;\nAction: |"] * 50
+  corpus += [" ".join(junk[i:i + 5]) for i in range(0, 400, 5)]
+  prefix = str(tmp_path_factory.mktemp("sp") / "paligemma_like")
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(corpus), model_prefix=prefix, vocab_size=700, hard_vocab_limit=False,
+      pad_id=0, unk_id=1, bos_id=2, eos_id=3, user_defined_symbols=["\n", "|"],
+      normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+      split_digits=True, minloglevel=2)
+  return f"{prefix}.model"
+
+
+def test_paligemma_layout_is_openpis(paligemma_sp, tmp_path):
+  """``model.tokenizer='paligemma'``: openpi's prefix text, the "Action: ... |" postfix with eos,
+  FAST ids at ``V - 1 - 128 - t``, actions read back from the ids; a FAST block that would
+  cover the layout's own ids is refused naming the key."""
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  sp = sentencepiece.SentencePieceProcessor(model_file=paligemma_sp)
+  chunks = fast_lib.smooth_chunks(np.random.default_rng(0), 200, 5, 2)
+  fast_lib.FastTokenizer.fit(chunks, vocab_size=64).save(str(tmp_path / "fast"))
+  c = _config(fast_tokenizer_path=str(tmp_path / "fast"), tokenizer="paligemma",
+              tokenizer_path=paligemma_sp, max_token_len=40, max_action_tokens=32)
+  env = builtin.make(c.env, 2, 0)
+  pol = policy_lib.make_policy(c.model, env.spec)
+  v = sp.vocab_size()
+  assert pol.net.vocab_size == v and pol.prompt.eos_id == sp.eos_id() == 3
+  obs = env.observe()
+  batch = pol.prepare(obs)
+  for b in range(2):
+    bins = " ".join(str(int(x)) for x in tokenizer_lib.discretize_state(obs.state[b]))
+    text = str(obs.instruction[b]).lower().strip().replace("_", " ")
+    want = sp.encode(f"Task: {text}, State: {bins};\n", add_bos=True)
+    assert batch["tokens"][b][batch["token_mask"][b]].tolist() == want
+  ids, mask, ok = pol.prompt.encode_actions(chunks[:4], 32)
+  assert ok.all()
+  fast_ids = pol.fast.encode(chunks[:4])
+  for b in range(4):
+    row = ids[b][mask[b]].tolist()
+    n = len(sp.encode("Action: "))
+    assert row[:n] == sp.encode("Action: ") and row[-2:] == [*sp.encode("|"), sp.eos_id()]
+    assert row[n:-2] == [v - 1 - 128 - t for t in fast_ids[b]]
+  actions, decoded = pol.prompt.decode_actions(ids[:, n:n + 32], 5, 2)  # (rows without "Action: ")
+  assert not decoded.any()
+  actions, decoded = pol.prompt.decode_actions(ids, 5, 2)
+  assert decoded.all() and np.abs(actions - chunks[:4]).max() <= 0.5 * np.sqrt(5) / 10
+  loss = jax.jit(pol.bc_loss)(pol.init(jax.random.PRNGKey(0)), batch,
+                              jnp.asarray(chunks[:2], jnp.float32), jax.random.PRNGKey(0))
+  assert np.isfinite(float(loss))
+  fast_lib.FastTokenizer.fit(chunks, vocab_size=600).save(str(tmp_path / "wide"))
+  c.model.fast_tokenizer_path = str(tmp_path / "wide")
+  with pytest.raises(ValueError, match="model.fast_tokenizer_path: a FAST vocabulary of 600"):
+    policy_lib.make_policy(c.model, env.spec)

@@ -16,6 +16,8 @@ served with openpi's LIBERO keys:
   an error reply naming the key, and that connection and the others go on;
 * a client that disconnects mid-request leaves the server serving;
 * ``python -m jaxvla.serve`` serves and stops on Ctrl-C;
+* a pi0-FAST export (its FAST tokenizer beside it) answers the client with the actions of
+  its greedy tokens, well-formed after a few BC steps, equal to its own eval ``act``'s;
 * the wire format is openpi_client.msgpack_numpy's byte for byte; the DROID,
   ALOHA and jaxvla key maps read their clients' requests; a map that does not fit
   the policy fails at start naming both.
@@ -31,7 +33,9 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import websockets.sync.client
 from openpi_client import image_tools, msgpack_numpy
@@ -42,6 +46,7 @@ from jaxvla import serve
 from jaxvla.bench import serve as bench_serve
 from jaxvla.data import norm_stats
 from jaxvla.envs import protocol
+from jaxvla.models import fast_tokenizer as fast_lib
 from jaxvla.models import policy as policy_lib
 from jaxvla.serving import obs_map as obs_map_lib
 from jaxvla.serving import runner as runner_lib
@@ -96,17 +101,23 @@ def _own_act(loaded: policy_io.LoadedPolicy, request: dict, mask_right: bool = T
 
   ``mask_right``: the right-wrist placeholder's mask False (openpi's LIBERO input).
   """
-  h, w, _ = SPEC.image_shape
-  cams = [image_tools.resize_with_pad(request[k], h, w)
-          for k in ("observation/image", "observation/wrist_image")]
-  obs = protocol.Observation(
-      images=np.stack(cams + [np.zeros_like(cams[0])])[None],
-      state=loaded.normalizer.state(np.asarray(request["observation/state"], np.float32)[None]),
-      instruction=np.array([request["prompt"]], object),
-      image_mask=np.array([[True, True, not mask_right]]))
+  obs = _observation(loaded.normalizer, request, mask_right)
   act = jax.jit(functools.partial(loaded.policy.act, mode="eval"))  # The policy's own.
   out = act(loaded.params, loaded.policy.prepare(obs), jax.random.PRNGKey(0))
   return loaded.normalizer.actions(np.asarray(out.actions[0]))
+
+
+def _observation(normalizer: norm_stats.Normalizer, request: dict,
+                 mask_right: bool = True) -> protocol.Observation:
+  """What the policy sees of a LIBERO request (one row), built without the server."""
+  h, w, _ = SPEC.image_shape
+  cams = [image_tools.resize_with_pad(request[k], h, w)
+          for k in ("observation/image", "observation/wrist_image")]
+  return protocol.Observation(
+      images=np.stack(cams + [np.zeros_like(cams[0])])[None],
+      state=normalizer.state(np.asarray(request["observation/state"], np.float32)[None]),
+      instruction=np.array([request["prompt"]], object),
+      image_mask=np.array([[True, True, not mask_right]]))
 
 
 def test_metadata_example_round_trip_and_the_policys_own_actions(served):
@@ -240,6 +251,60 @@ def test_the_command_serves_and_stops_on_a_signal(export_dir, tmp_path, signum):
     if proc.poll() is None:
       proc.kill()
       proc.wait()
+
+
+def test_a_pi0_fast_export_answers_openpis_client(tmp_path):
+  """pi0-FAST served from its export: the server loads the export's own FAST tokenizer, and
+  the client's actions are the policy's own greedy decode, through the normaliser. 20 BC
+  steps on one chunk make its greedy tokens a well-formed FAST sequence."""
+  chunks = fast_lib.smooth_chunks(np.random.default_rng(0), 300, 5, 7)
+  fast_lib.FastTokenizer.fit(chunks, vocab_size=512).save(str(tmp_path / "fast"))
+  c = default.get_config("fast")
+  c.model.update(fast_tokenizer_path=str(tmp_path / "fast"), max_action_tokens=48,
+                 max_token_len=24)  # (8 state bins in the prompt)
+  policy = policy_lib.make_policy(c.model, SPEC)
+  normalizer = norm_stats.Normalizer(dict(
+      state=norm_stats.NormStats(np.zeros(8), np.ones(8)),
+      actions=norm_stats.NormStats(np.full(7, 0.4), np.full(7, 2.0))), "zscore")
+  rows = [_observation(normalizer, _request(seed)) for seed in range(4)]
+  obs = protocol.Observation(**{f: np.concatenate([getattr(r, f) for r in rows])
+                                for f in ("images", "state", "instruction", "image_mask")})
+  batch, target = policy.prepare(obs), jnp.asarray(np.repeat(chunks[:1], 4, 0), jnp.float32)
+  tx = optax.adam(1e-3)
+
+  @jax.jit
+  def step(params, opt):
+    grads = jax.grad(lambda p: policy.bc_loss(p, batch, target, jax.random.PRNGKey(0)))(params)
+    updates, opt = tx.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt
+
+  params = policy.init(jax.random.PRNGKey(3))
+  opt = tx.init(params)
+  for _ in range(20):
+    params, opt = step(params, opt)
+  stored = c.copy_and_resolve_references()
+  stored.model.fast_tokenizer_path = ""  # (as a run writes it: the export's own is found)
+  path = checkpoint.export_policy(str(tmp_path / "export"), params, stored.to_json_best_effort())
+  policy_io.write_spec(path, SPEC)
+  norm_stats.save_normalizer(path, normalizer)
+  fast_lib.save_beside(path, policy)
+  loaded = policy_io.load(path)
+  config = serve.serve_config(serve_configs.get_config("libero"), host="127.0.0.1", port=0,
+                              max_batch=2, batch_wait_ms=10.0)
+  server = server_lib.PolicyServer(loaded, config)
+  port = server.start()
+  try:
+    client = openpi_client.WebsocketClientPolicy("127.0.0.1", port)
+    request = _request(0)
+    before = loaded.policy.host_counts()["fast_decoded_rows"]
+    got = client.infer(request)["actions"]
+    assert got.shape == (5, 7)
+    assert loaded.policy.host_counts()["fast_decoded_rows"] > before  # (decoded, counted)
+    # Well-formed: a malformed row's zero chunk would read as the action mean, 0.4.
+    assert np.abs(got - 0.4).max() > 0.1
+    np.testing.assert_allclose(got, _own_act(loaded, request), rtol=1e-5, atol=1e-5)
+  finally:
+    server.close()
 
 
 # ------------------------------------------------------------- without a server --

@@ -190,15 +190,22 @@ def make_prompt(model: ml_collections.ConfigDict, fast: fast_lib.FastTokenizer) 
     import sentencepiece  # Imported here so the builtin layout works without it.
     sp = sentencepiece.SentencePieceProcessor(model_file=os.path.expanduser(text.path))
     vocab = model.vocab_size or text.vocab_size
-    text_ids = fast_lib.PALIGEMMA_VOCAB_SIZE - 1 - fast_lib.FAST_SKIP_TOKENS - fast.vocab_size
     if vocab != text.vocab_size:
       raise ValueError(f"config.model.vocab_size={vocab}: pi0_fast with the paligemma tokenizer "
                        f"maps FAST ids into its {text.vocab_size} ids; use 0 or that")
-    if text_ids < 0:
-      raise ValueError(f"config.model.fast_tokenizer_path: a FAST vocabulary of "
-                       f"{fast.vocab_size} does not fit below PaliGemma's special tokens")
-    return FastPrompt(text=text, vocab_size=vocab, action_start=sp.encode("Action: "),
-                      end=sp.encode("|"), eos_id=sp.eos_id(), fast=fast,
-                      skip=fast_lib.FAST_SKIP_TOKENS, sentencepiece=sp)
+    prompt = FastPrompt(text=text, vocab_size=vocab, action_start=sp.encode("Action: "),
+                        end=sp.encode("|"), eos_id=sp.eos_id(), fast=fast,
+                        skip=fast_lib.FAST_SKIP_TOKENS, sentencepiece=sp)
+    # openpi overwrites the top of PaliGemma's vocabulary (its <loc> tokens) with the FAST
+    # ids; the ids the layout itself writes must stay below that block.
+    layout = (*prompt.action_start, *prompt.end, prompt.eos_id, text.bos_id)
+    if prompt.fast_bottom < 0 or max(layout) >= prompt.fast_bottom:
+      raise ValueError(
+          f"config.model.fast_tokenizer_path: a FAST vocabulary of {fast.vocab_size} ids "
+          f"placed below the last {fast_lib.FAST_SKIP_TOKENS} of the tokenizer's {vocab} "
+          f"(ids {max(prompt.fast_bottom, 0)}..{prompt.fast_top}) covers the ids of 'Action: ', "
+          f"'|', eos or bos ({sorted(set(layout))}); use a smaller FAST vocabulary or "
+          f"PaliGemma's own tokenizer")
+    return prompt
   raise ValueError(f"config.model.tokenizer={model.tokenizer!r} is not one of "
                    f"{tokenizer_lib.TOKENIZERS}")
