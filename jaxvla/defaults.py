@@ -140,6 +140,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.fast_vocab_size = 1024  # pi0_fast fit: BPE vocabulary (openpi's universal one: 2048).
   c.model.max_action_tokens = 256  # pi0_fast: most tokens decoded per chunk (openpi's max_decoding_steps).
   c.model.temperature = 1.0  # pi0_fast: sampling temperature of act('train') and its log-probs.
+  # pi0_fast: RoPE positions of decoded tokens: 'openpi' (its sample_actions: one past the
+  # training positions) or 'train' (the positions the BC loss trains at).
+  c.model.fast_positions = "openpi"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1  # Learner mesh: data-parallel axis size.

@@ -93,8 +93,12 @@ def test_tree_is_openpis_for_tiny_and_full(fast_dir):
       "rl/value_hidden/kernel", "rl/value_hidden/bias", "rl/value_out/kernel", "rl/value_out/bias"}
 
 
-def test_act_shapes_and_cached_decode_equals_teacher_forcing(fast_dir):
-  s = _setup(fast_dir)
+@pytest.mark.parametrize("positions", ["openpi", "train"])
+def test_act_shapes_and_cached_decode_equals_teacher_forcing(fast_dir, positions):
+  """At either model.fast_positions the cached decode is what the teacher-forced pass scores;
+  at 'train' that pass is the BC loss's own (offset 0)."""
+  s = _setup(fast_dir, fast_positions=positions)
+  assert s["pol"].net.decode_offset == {"openpi": 1, "train": 0}[positions]
   pol, params = s["pol"], _eos_likely(s)
   out = s["act"](params, s["batch"], jax.random.PRNGKey(1), mode="train")
   assert out.actions.shape == (3, 5, 2) and out.chain.shape == (3, 1, T, 1)
@@ -127,7 +131,7 @@ def test_log_prob_matches_numpy_reference(fast_dir):
   inputs = (batch["images"], batch["tokens"], batch["token_mask"], batch["image_mask"])
   out, _, _ = pi0_fast.postfix_pass(pol.net, params, *inputs, jnp.asarray(tokens),
                                     jnp.ones((3, T), bool),
-                                    offset=pi0_fast.DECODE_POSITION_OFFSET)
+                                    offset=pol.net.decode_offset)
   z = np.asarray(gemma.decode(params["PaliGemma"]["llm"], out), np.float64) / temp
   logp = z - z.max(-1, keepdims=True)
   logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -201,6 +205,7 @@ def test_bc_loss_and_gradient(fast_dir):
     ("variant", "huge", "model.variant"),
     ("vocab_size", 300, "model.vocab_size"),
     ("action_dim", 1, "model.action_dim"),
+    ("fast_positions", "sideways", "model.fast_positions"),
 ])
 def test_bad_config_values_name_the_key(fast_dir, key, value, match):
   c = _config(fast_tokenizer_path=fast_dir)

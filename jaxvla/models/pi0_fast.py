@@ -20,10 +20,12 @@ vocabulary 257152).
 
 Positions: openpi numbers the valid tokens (``cumsum(mask) - 1``), but its ``sample_actions``
 feeds the token sampled at step ``j`` at position ``prefill_len + j + 1``, one more than
-``compute_loss`` gives the same token in training. :func:`decode` and the scoring pass
-(:meth:`Pi0FastPolicy.evaluate`) use the sampling positions, so RL scores exactly what was
-sampled and a checkpoint acts as it does in openpi; :meth:`Pi0FastPolicy.bc_loss` uses the
-training ones, as openpi's loss.
+``compute_loss`` gives the same token in training. ``model.fast_positions`` chooses what
+:func:`decode` and the scoring pass (:meth:`Pi0FastPolicy.evaluate`) use: 'openpi', the
+sampling positions, so an openpi checkpoint acts as it does in openpi; 'train', the positions
+:meth:`Pi0FastPolicy.bc_loss` trains at (openpi's loss's). Either way RL scores exactly what
+was sampled. A small model trained here from scratch decodes far better at the positions it
+was trained at (docs/design/policy.md, "π0-FAST").
 
 Actions: the emitted ids become actions on the host (:meth:`FastPrompt.decode_actions`, BPE and
 inverse DCT), called from the jitted ``act`` through ``jax.pure_callback``; a malformed row
@@ -46,9 +48,9 @@ from jaxvla.models import contract, fast_prompt, gemma, layers, lora, pi0, sigli
 from jaxvla.models import fast_tokenizer as fast_lib
 
 MODES = ("train", "eval")  # act(): 'train' samples at model.temperature, 'eval' is greedy.
-# openpi's sample_actions puts sampled token j at position prefill_len + j + 1 (compute_loss:
-# prefill_len + j); see the module docstring.
-DECODE_POSITION_OFFSET = 1
+# model.fast_positions -> what decoding adds to an emitted token's training position: openpi's
+# sample_actions puts sampled token j at prefill_len + j + 1 (compute_loss: prefill_len + j).
+DECODE_OFFSETS = {"openpi": 1, "train": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Pi0FastConfig:
   remat: bool
   value_hidden: int
   value_detach: bool = False
+  decode_offset: int = DECODE_OFFSETS["openpi"]  # (model.fast_positions)
 
   @classmethod
   def from_config(cls, model: ml_collections.ConfigDict, *, image_size: int, num_cameras: int,
@@ -100,6 +103,9 @@ class Pi0FastConfig:
                        f"shortest action postfix ({min_tokens} tokens)")
     if not model.temperature > 0:
       raise ValueError(f"config.model.temperature={model.temperature} must be > 0")
+    if model.fast_positions not in DECODE_OFFSETS:
+      raise ValueError(f"config.model.fast_positions={model.fast_positions!r} is not one of "
+                       f"{sorted(DECODE_OFFSETS)}")
     if model.variant == "full" and vocab_size != pi0.PALIGEMMA_VOCAB_SIZE:
       raise ValueError(f"config.model.tokenizer: the full variant needs PaliGemma's "
                        f"{pi0.PALIGEMMA_VOCAB_SIZE} ids ('paligemma'), got a vocabulary of "
@@ -109,7 +115,8 @@ class Pi0FastConfig:
                action_dim=a_net, chunk_len=model.chunk_len, vocab_size=vocab_size,
                max_action_tokens=model.max_action_tokens, eos_id=eos_id,
                temperature=float(model.temperature), dtype=model.dtype, remat=model.remat,
-               value_hidden=model.value_hidden, value_detach=model.value_detach)
+               value_hidden=model.value_hidden, value_detach=model.value_detach,
+               decode_offset=DECODE_OFFSETS[model.fast_positions])
 
   @property
   def compute_dtype(self):
@@ -212,7 +219,7 @@ def decode(cfg: Pi0FastConfig, p: dict, images: jax.Array, tokens: jax.Array,
   b, num_prefix = mask.shape
   n = cfg.max_action_tokens
   pad = ((0, 0), (0, 0), (0, n), (0, 0), (0, 0))
-  start = mask.sum(axis=1) + DECODE_POSITION_OFFSET  # RoPE position of emitted token 0, [B]
+  start = mask.sum(axis=1) + cfg.decode_offset  # RoPE position of emitted token 0, [B]
   slots = jnp.arange(n)
 
   def step(carry):
@@ -252,7 +259,7 @@ def postfix_pass(cfg: Pi0FastConfig, p: dict, images: jax.Array, tokens: jax.Arr
 
   Args:
     postfix: ``int [B, T]`` VLM ids; postfix_mask ``bool [B, T]`` its valid tokens.
-    offset: added to the postfix positions, :data:`DECODE_POSITION_OFFSET` to score what
+    offset: added to the postfix positions, ``cfg.decode_offset`` to score what
       :func:`decode` sampled, 0 for openpi's training positions.
 
   Returns:
@@ -416,7 +423,7 @@ class Pi0FastPolicy(layers.TreeOwner):
     tokens = self.chain_tokens(chain)
     mask = emitted_mask(tokens, self.net.eos_id)
     out, hidden, prefix_mask = postfix_pass(self.net, params, *self._inputs(batch), tokens, mask,
-                                            offset=DECODE_POSITION_OFFSET)
+                                            offset=self.net.decode_offset)
     return (log_probs(self.net, params, out, self.net.temperature), tokens, mask,
             value(self.net, params, hidden, prefix_mask))
 
