@@ -95,7 +95,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Next-token BC on a few tokens per chunk needs fewer steps than flow matching's 7,000.
     c.bc.num_steps = 4000
     # Decode at the positions BC trained at: at openpi's sampling positions (one further on)
-    # the warm-started tiny model's greedy rows were malformed 7 times as often (17 of 256
-    # against 1 of 256, docs/results/default_run.md "pi0-FAST").
+    # the warm-started tiny model's greedy rows were malformed 81 times in 256 against 6
+    # (docs/design/policy.md, "π0-FAST").
     c.model.fast_positions = "train"
+    # A FAST policy acts in tokens: with the cautious demonstrator (0.4 of full speed, 37%
+    # success) RL did not move past the warm start (0.20 -> 0.24 and 0.16 -> 0.17 at 124k
+    # env steps, docs/results/default_run.md "pi0-FAST"). At 0.6 the demonstrator succeeds
+    # in 93% of episodes.
+    c.bc.expert_speed = 0.6
   return c

@@ -138,6 +138,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.fast_tokenizer_path = ""
   c.model.fast_scale = 10.0  # pi0_fast fit: DCT coefficients rounded to 1 / fast_scale (openpi's).
   c.model.fast_vocab_size = 1024  # pi0_fast fit: BPE vocabulary (openpi's universal one: 2048).
+  # pi0_fast fit: every chunk within [-r, r] (normalised) gets ids, beyond the demonstrations'
+  # own range, so RL can act past them (0: the demonstrations' range only, HF's fit).
+  c.model.fast_fit_range = 1.0
   c.model.max_action_tokens = 256  # pi0_fast: most tokens decoded per chunk (openpi's max_decoding_steps).
   c.model.temperature = 1.0  # pi0_fast: sampling temperature of act('train') and its log-probs.
   # pi0_fast: RoPE positions of decoded tokens: 'openpi' (its sample_actions: one past the

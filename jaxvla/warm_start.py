@@ -85,7 +85,9 @@ def fast_tokenizer_dir(config: ml_collections.ConfigDict, workdir: str,
   (:func:`demonstrations`), each step's next ``model.chunk_len`` actions (repeating the
   episode's last past its end, as LeRobot's chunks do) in the policy's action space (the
   ``config.data.normalize`` normalisation), at ``model.fast_scale`` and
-  ``model.fast_vocab_size``. A resumed run finds the directory and uses it as it is.
+  ``model.fast_vocab_size``, able to express every chunk within ``model.fast_fit_range``
+  (RL may act beyond the demonstrations). A resumed run finds the directory and uses it as
+  it is.
 
   Process 0 writes it; every process returns its path.
   """
@@ -109,7 +111,8 @@ def fast_tokenizer_dir(config: ml_collections.ConfigDict, workdir: str,
       chunks = fast_lib.dataset_chunks(actions, reader.table.lengths, m.chunk_len)
       t0 = time.perf_counter()
       tokenizer = fast_lib.FastTokenizer.fit(chunks, scale=m.fast_scale,
-                                             vocab_size=m.fast_vocab_size)
+                                             vocab_size=m.fast_vocab_size,
+                                             cover=m.fast_fit_range)
       tokenizer.save(own)
       figures = fast_lib.measure(tokenizer, chunks)
       log.info("FAST tokenizer: fitted on %d chunks of %s in %.1f s (%d BPE ids): %s; saved in "

@@ -280,3 +280,26 @@ def test_command_prints_the_figures():
   assert figures["fit"]["chunks"] == 320 and figures["held_out"]["chunks"] == 80
   assert figures["fit"]["raw_tokens"] == 15 and figures["fit"]["lossless"] == 1.0
   assert figures["fit"]["compression"] > 1.0
+
+
+def test_cover_makes_every_chunk_in_range_encodable():
+  """A fit on a cautious demonstrator's chunks (|a| <= 0.4) has no ids for a faster chunk;
+  ``cover=1`` gives every chunk within [-1, 1] ids, round-tripping within the rounding bound,
+  and leaves the data's own encoding as short."""
+  rng = np.random.default_rng(0)
+  slow = 0.4 * ft.smooth_chunks(rng, 400, 5, 2)
+  fast = np.concatenate([np.ones((1, 5, 2)), -np.ones((1, 5, 2)),
+                         rng.uniform(-1, 1, (50, 5, 2))])
+  plain = ft.FastTokenizer.fit(slow, vocab_size=256)
+  assert not plain.encode_rows(fast[:1])[1].any()  # (above the range: no ids)
+  below, _ = plain.decode(plain.encode(fast[1:2]), 5, 2)  # (below: clamped, as openpi does)
+  assert np.abs(below - fast[1:2]).max() > 0.3
+  covered = ft.FastTokenizer.fit(slow, vocab_size=256, cover=1.0)
+  ids, ok = covered.encode_rows(fast)
+  assert ok.all()
+  actions, decoded = covered.decode(ids, 5, 2)
+  assert decoded.all() and np.abs(actions - fast).max() <= 0.5 * np.sqrt(5) / 10 + 1e-9
+  lengths = lambda tok: np.mean([len(i) for i in tok.encode(slow)])
+  assert lengths(covered) <= 1.1 * lengths(plain)
+  with pytest.raises(ValueError, match="cover"):
+    ft.FastTokenizer.fit(slow, cover=-1.0)

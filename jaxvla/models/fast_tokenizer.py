@@ -172,18 +172,27 @@ class FastTokenizer:
 
   # --------------------------------------------------------------- fitting --
   @classmethod
-  def fit(cls, chunks: np.ndarray, *, scale: float = 10.0,
-          vocab_size: int = 1024) -> FastTokenizer:
-    """Fits the BPE on action chunks, as the HF processor's ``fit`` does.
+  def fit(cls, chunks: np.ndarray, *, scale: float = 10.0, vocab_size: int = 1024,
+          cover: float = 0.0) -> FastTokenizer:
+    """Fits the BPE on action chunks, as the HF processor's ``fit`` does (``cover=0``).
 
     The initial alphabet is every character ``chr(0) .. chr(max - min)`` of the rounded
     coefficients' range. The trainer has ``min_frequency=2``, no special tokens and
     ``max_token_length=10000``, so a long run of zeros can become one token.
 
+    A tokenizer fitted on a dataset can express only the coefficients the dataset spans: one
+    fitted on a cautious demonstrator's chunks has no ids for a faster chunk, so RL could not
+    move past the demonstrations. ``cover > 0`` widens the range to every chunk inside
+    ``[-cover, cover]`` (an orthonormal DCT keeps each coefficient within ``sqrt(H) * cover``)
+    and lets the BPE see each of those characters once (one string of them all), so every
+    such chunk is encodable; the merges stay the data's (that string adds one count to the
+    pairs of neighbouring values it holds).
+
     Args:
       chunks: float ``[N, H, A]`` normalised action chunks.
       scale: quantisation: coefficients are rounded to multiples of ``1 / scale``.
       vocab_size: BPE vocabulary size; must cover the coefficient range.
+      cover: the action range every chunk within which must be encodable (0: the data's).
 
     Returns:
       the tokenizer, with ``time_horizon=H`` and ``action_dim=A``.
@@ -197,8 +206,13 @@ class FastTokenizer:
       raise ValueError("fit chunks must hold at least one chunk, got shape (0, ...)")
     if not scale > 0:
       raise ValueError(f"FAST scale must be > 0, got {scale}")
+    if cover < 0:
+      raise ValueError(f"FAST cover must be >= 0, got {cover}")
     coefficients = _quantise(x, scale)
     low, high = int(coefficients.min()), int(coefficients.max())
+    bound = int(np.ceil(np.sqrt(x.shape[1]) * cover * scale))
+    if cover > 0:
+      low, high = min(low, -bound), max(high, bound)
     if high - low > vocab_size or high - low >= _NO_CHAR:
       raise ValueError(
           f"vocab_size={vocab_size} is smaller than the range of rounded DCT coefficients, "
@@ -212,7 +226,10 @@ class FastTokenizer:
         initial_alphabet=[chr(i) for i in range(high - low + 1)], max_token_length=10000)
     bpe = _byte_level_bpe()
     shifted = (coefficients - low).astype(np.int64)
-    bpe.train_from_iterator((_to_text(row) for row in shifted), trainer=trainer)
+    texts = [_to_text(row) for row in shifted]
+    if cover > 0:  # Every character once: its UTF-8 bytes are in the vocabulary.
+      texts.append(_to_text(np.arange(high - low + 1)))
+    bpe.train_from_iterator(texts, trainer=trainer)
     return cls(bpe, scale=scale, vocab_size=vocab_size, min_token=low,
                time_horizon=x.shape[1], action_dim=x.shape[2])
 
