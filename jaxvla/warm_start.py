@@ -92,17 +92,23 @@ def fast_tokenizer_dir(config: ml_collections.ConfigDict, workdir: str,
   Process 0 writes it; every process returns its path.
   """
   own = os.path.join(workdir, fast_lib.RUN_DIR)
-  if distributed.is_primary() and not os.path.isdir(own):
-    m = config.model
-    if m.fast_tokenizer_path:
+  # (Multi-process: process 0's view of the directory decides, and demonstrations() is a
+  # collective every process calls.)
+  made = distributed.broadcast_from_primary({"made": float(os.path.isdir(own))})["made"]
+  if made:
+    return own
+  m = config.model
+  if m.fast_tokenizer_path:
+    if distributed.is_primary():
       fast_lib.FastTokenizer.load(m.fast_tokenizer_path).save(own)
       log.info("FAST tokenizer: %s, copied to %s", m.fast_tokenizer_path, own)
-    else:
-      if config.bc.num_steps == 0 and not config.data.path:
-        raise ValueError("config.model.fast_tokenizer_path is empty and bc.num_steps=0: pi0_fast "
-                         "fits its FAST tokenizer on the warm start's demonstrations; give a "
-                         "tokenizer directory or a dataset (config.data.path)")
-      d, _ = demonstrations(config, workdir, spec)
+  else:
+    if config.bc.num_steps == 0 and not config.data.path:
+      raise ValueError("config.model.fast_tokenizer_path is empty and bc.num_steps=0: pi0_fast "
+                       "fits its FAST tokenizer on the warm start's demonstrations; give a "
+                       "tokenizer directory or a dataset (config.data.path)")
+    d, _ = demonstrations(config, workdir, spec)
+    if distributed.is_primary():
       reader = data_loader.open_reader(d)
       normalizer = data_loader.normalizer_from_config(d, reader)
       actions = reader.table.actions
@@ -114,10 +120,9 @@ def fast_tokenizer_dir(config: ml_collections.ConfigDict, workdir: str,
                                              vocab_size=m.fast_vocab_size,
                                              cover=m.fast_fit_range)
       tokenizer.save(own)
-      figures = fast_lib.measure(tokenizer, chunks)
       log.info("FAST tokenizer: fitted on %d chunks of %s in %.1f s (%d BPE ids): %s; saved in "
                "%s", len(chunks), d.path, time.perf_counter() - t0, tokenizer.bpe_vocab_size,
-               figures, own)
+               fast_lib.measure(tokenizer, chunks), own)
   distributed.broadcast_from_primary({"written": 1.0})  # (the others wait for the files)
   return own
 
