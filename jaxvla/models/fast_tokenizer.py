@@ -210,8 +210,8 @@ class FastTokenizer:
       raise ValueError(f"FAST cover must be >= 0, got {cover}")
     coefficients = _quantise(x, scale)
     low, high = int(coefficients.min()), int(coefficients.max())
-    bound = int(np.ceil(np.sqrt(x.shape[1]) * cover * scale))
-    if cover > 0:
+    if cover > 0:  # |coefficient| <= sqrt(H) * cover for a chunk within [-cover, cover]
+      bound = int(np.ceil(np.sqrt(x.shape[1]) * cover * scale))
       low, high = min(low, -bound), max(high, bound)
     if high - low > vocab_size or high - low >= _NO_CHAR:
       raise ValueError(
