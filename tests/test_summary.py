@@ -98,6 +98,26 @@ def test_tiny_summary_runs(name):
   assert all(out["modules"][m] > 0 for m in summary.MODULES)
 
 
+def test_pi0_fast_summary_without_a_tokenizer(tmp_path):
+  """The command works for pi0-FAST with no tokenizer: the full tree is openpi's Pi0FAST
+  (a mutated spec is caught), tiny is summarised, and a given directory must exist."""
+  full = summary.summarize("pi0_fast", "full")
+  assert full["matches_openpi_spec"] is True and "stand-in" in full["fast_tokenizer"]
+  assert full["modules"]["action_expert"] == 0 and full["total_params"] > 2.9e9
+  with open(summary.FAST_SPEC) as f:
+    spec = json.load(f)
+  tiny = summary.summarize("pi0_fast", "tiny")
+  assert tiny["matches_openpi_spec"] is None and "full" in tiny["spec_note"]
+  path = next(iter(spec["full"]))
+  spec["full"][path] = [1] + list(spec["full"][path])
+  pol = summary.make_policy("pi0_fast", "full")
+  (tmp_path / "spec.json").write_text(json.dumps(spec))
+  out = summary.fast_summary_spec({}, pol.abstract_params(), str(tmp_path / "spec.json"))
+  assert out["matches_openpi_spec"] is False and path in out["spec_mismatches"][0]
+  with pytest.raises(ValueError, match="not a directory"):
+    summary.make_policy("pi0_fast", "tiny", fast_tokenizer="/nonexistent/fast")
+
+
 def test_missing_spec_is_reported_not_raised(tmp_path):
   out = summary.summarize("pi0", "tiny", spec_path=str(tmp_path / "none.json"))
   assert out["matches_openpi_spec"] is None and "not found" in out["spec_note"]

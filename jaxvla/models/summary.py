@@ -20,6 +20,13 @@ Full variants are built as openpi builds them (3 cameras at 224x224, state and
 action padded to 32, PaliGemma's 257152-row vocabulary, learned ViT position
 embedding, bfloat16 compute); tiny / small use the built-in env's spec.
 
+pi0-FAST's tree depends on its FAST tokenizer only through the vocabulary size (tiny and
+small: the built-in tokenizer's ids plus the FAST ids; full: PaliGemma's 257152 rows, the
+FAST ids at their top). ``--fast_tokenizer=DIR`` names one; without it a stand-in is fitted
+on random smooth chunks at ``model.fast_vocab_size`` (reported as ``fast_tokenizer``). Its
+full variant is compared with openpi's ``Pi0FAST`` tree (``fast_openpi_params.json``, paths
+and shapes).
+
 Prints one JSON line::
 
   {"model": "pi0", "variant": "full", "total_params": 3238048528, "modules": {...},
@@ -31,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from typing import Any, Mapping
 
 import jax
@@ -46,6 +54,8 @@ DEFAULT_SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openpi_
 
 MODULES = ("siglip", "multimodal_projector", "gemma_llm", "action_expert", "action_projections")
 RL_KEY = "rl"
+# openpi's Pi0FAST trees (paths and shapes only), tiny and full.
+FAST_SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_openpi_params.json")
 # Our module name -> the key of the spec's ``param_split`` for the same parameters.
 OPENPI_SPLIT_NAMES = {
     "siglip": "siglip_so400m",
@@ -96,14 +106,41 @@ def env_spec(variant: str) -> protocol.EnvSpec:
   return builtin.spec_from_config(default_config().env)
 
 
+def stand_in_fast_tokenizer(config: ml_collections.ConfigDict, horizon: int,
+                            action_dim: int) -> str:
+  """A directory holding a FAST tokenizer fitted on random smooth chunks ``[512, H, A]``
+  at ``config.fast_scale`` / ``fast_vocab_size``, covering ``[-1, 1]``: the tree's shapes
+  depend on a tokenizer only through its vocabulary size."""
+  from jaxvla.models import fast_tokenizer as fast_lib  # pylint: disable=import-outside-toplevel
+  chunks = fast_lib.smooth_chunks(np.random.default_rng(0), 512, horizon, action_dim)
+  path = tempfile.mkdtemp(prefix="fast_stand_in_")
+  fast_lib.FastTokenizer.fit(chunks, scale=config.fast_scale, vocab_size=config.fast_vocab_size,
+                             cover=1.0).save(path)
+  return path
+
+
 def make_policy(model: str, variant: str, *, dtype: str | None = None,
-                config: ml_collections.ConfigDict | None = None):
-  """The policy ``model`` / ``variant`` (see :func:`model_config`; ``config`` overrides it)."""
+                config: ml_collections.ConfigDict | None = None, fast_tokenizer: str = ""):
+  """The policy ``model`` / ``variant`` (see :func:`model_config`; ``config`` overrides it).
+
+  pi0_fast reads ``fast_tokenizer`` (a directory), else ``config.fast_tokenizer_path``,
+  else a stand-in (:func:`stand_in_fast_tokenizer`).
+  """
   from jaxvla.models import policy as policy_lib  # pylint: disable=import-outside-toplevel
   if model not in policy_lib.POLICIES:
     raise ValueError(f"--model={model!r} is not one of {sorted(policy_lib.POLICIES)}")
   config = config if config is not None else model_config(model, variant, dtype=dtype)
-  return policy_lib.make_policy(config, env_spec(variant))
+  spec = env_spec(variant)
+  if model == "pi0_fast":
+    config = ml_collections.ConfigDict(config.to_dict())
+    if fast_tokenizer:
+      if not os.path.isdir(fast_tokenizer):
+        raise ValueError(f"--fast_tokenizer={fast_tokenizer!r} is not a directory")
+      config.fast_tokenizer_path = fast_tokenizer
+    elif not config.fast_tokenizer_path:
+      config.fast_tokenizer_path = stand_in_fast_tokenizer(config, config.chunk_len,
+                                                           spec.action_dim)
+  return policy_lib.make_policy(config, spec)
 
 
 # ------------------------------------------------------------------ counting --
@@ -194,21 +231,40 @@ def split_as_openpi(modules: Mapping[str, int]) -> dict[str, int]:
   return {OPENPI_SPLIT_NAMES[k]: v for k, v in modules.items()}
 
 
+def fast_summary_spec(out: dict, abstract: Mapping[str, Any], spec_path: str) -> dict:
+  """``out`` with pi0-FAST's comparison with openpi's ``Pi0FAST`` tree at ``spec_path``
+  (:data:`FAST_SPEC`'s form: ``{"full": {path: shape}, ...}``), paths and shapes only."""
+  with open(spec_path, encoding="utf-8") as f:
+    theirs = json.load(f)["full"]
+  mismatches = spec_mismatches(abstract, {k: {"shape": v} for k, v in theirs.items()})
+  out["spec"] = spec_path
+  out["matches_openpi_spec"] = not mismatches
+  if mismatches:
+    out["spec_mismatches"] = mismatches[:20]
+    out["num_spec_mismatches"] = len(mismatches)
+  return out
+
+
 def summarize(model: str, variant: str, *, spec_path: str | None = DEFAULT_SPEC,
-              dtype: str | None = None, policy=None) -> dict:
+              dtype: str | None = None, policy=None, fast_tokenizer: str = "") -> dict:
   """The summary of ``model`` / ``variant`` as a JSON-able dict (see the module docstring).
 
   ``matches_openpi_spec`` is true / false for full variants of a model the spec
   has, else null with ``spec_note`` saying why; a missing spec file is reported
   there rather than raised.
   """
-  policy = policy if policy is not None else make_policy(model, variant, dtype=dtype)
+  policy = policy if policy is not None else make_policy(model, variant, dtype=dtype,
+                                                         fast_tokenizer=fast_tokenizer)
   abstract = policy.abstract_params()
   counts = count(abstract)
   net = getattr(policy, "net", None)
   out = dict(model=model, variant=variant, dtype=getattr(net, "dtype", None), **counts)
   out["param_gib_f32"] = round(counts["total_params"] * 4 / 2**30, 3)
   out["matches_openpi_spec"] = None
+  if model == "pi0_fast":
+    out["fast_tokenizer"] = fast_tokenizer or "a stand-in fitted on random smooth chunks"
+    if spec_path == DEFAULT_SPEC:
+      spec_path = FAST_SPEC
   if spec_path is None:
     out["spec_note"] = "no spec given"
     return out
@@ -217,6 +273,11 @@ def summarize(model: str, variant: str, *, spec_path: str | None = DEFAULT_SPEC,
   if not os.path.exists(spec_path):
     out["spec_note"] = f"openpi spec not found at {spec_path}; shapes not compared"
     return out
+  if model == "pi0_fast":
+    if variant != "full":
+      out["spec_note"] = f"only the full variant is compared with openpi's (this is {variant!r})"
+      return out
+    return fast_summary_spec(out, abstract, spec_path)
   spec = load_spec(spec_path)
   if model not in spec["models"]:
     out["spec_note"] = f"the spec has no model {model!r} (it has {sorted(spec['models'])})"
@@ -244,9 +305,13 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--spec", default=DEFAULT_SPEC,
                       help="openpi_params.json to compare with ('' to skip)")
   parser.add_argument("--dtype", default=None, help="compute dtype (default: the variant's)")
+  parser.add_argument("--fast_tokenizer", default="",
+                      help="pi0_fast: FAST tokenizer directory ('': a stand-in; shapes depend "
+                           "only on its vocabulary size)")
   args = parser.parse_args(argv)
   jax.config.update("jax_platforms", "cpu")  # Abstract only: never wake an accelerator.
-  out = summarize(args.model, args.variant, spec_path=args.spec or None, dtype=args.dtype)
+  out = summarize(args.model, args.variant, spec_path=args.spec or None, dtype=args.dtype,
+                  fast_tokenizer=args.fast_tokenizer)
   print(json.dumps(out))
   return out
 
