@@ -679,6 +679,30 @@ def test_expert_labels_are_its_clean_open_loop_plan():
   assert not np.allclose(first.state[1:h], planned_pos[:h - 1], atol=1e-3)
 
 
+def test_demonstrations_are_episodes_rl_and_evaluation_do_not_play(tmp_path):
+  """The recorded demonstrations start from other layouts (first camera images) than the
+  run's RL envs' first episodes and its evaluation's: recorded at the RL envs' seed, a warm
+  start met its own demonstrations again in RL and seemed to get worse when the envs moved
+  past them."""
+  from jaxvla.data import collect, demonstrators  # pylint: disable=import-outside-toplevel
+  from jaxvla.envs import builtin  # pylint: disable=import-outside-toplevel
+  from jaxvla.evaluation import success  # pylint: disable=import-outside-toplevel
+  from jaxvla.parallel import distributed  # pylint: disable=import-outside-toplevel
+  c = default.get_config()
+  c.env.image_size = 16
+  out = str(tmp_path / "demos")
+  collect.collect(c, out, 8, noise=0.0, num_envs=4)
+  ds = tfds.builder_from_directory(out).as_data_source(split="train")
+  demo = {bytes(next(iter(ds[i]["steps"]))["observation"]["top"]) for i in range(len(ds))}
+
+  def first_images(seed: int) -> set[bytes]:  # the 4 envs' first episodes' reset images
+    return {bytes(img[0]) for img in builtin.make(c.env, 4, seed).reset(seed).images}
+
+  assert first_images(demonstrators.demo_seed(c.seed)) <= demo  # (each env's first episode)
+  for seed in (distributed.host_seed(c.seed), c.seed + success.EVAL_SEED_OFFSET):
+    assert not first_images(seed) & demo, seed
+
+
 # ------------------------------------------------------- normalisation in a run --
 def _stats() -> dict[str, norm_stats.NormStats]:
   """State with a constant second dim (as a fixed joint or an unused goal field gives)."""

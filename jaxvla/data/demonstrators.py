@@ -141,11 +141,28 @@ def _episode(steps: list[tuple], terminated: bool, success: bool) -> Episode:
                  terminated=terminated, success=success)
 
 
+# Demonstrations are recorded on episodes a run's RL envs do not play. Those reset with
+# config.seed (plus a stride per host, jaxvla.parallel.distributed.host_seed) and its
+# evaluations with config.seed + jaxvla.evaluation.success.EVAL_SEED_OFFSET. Recorded at
+# config.seed, env i's first episodes in RL were the demonstrations' own (ColorReach: the same
+# layouts, 3,000 / 64 = 47 per env; ManiSkill3: the same episode seeds). A warm start that had
+# memorised them succeeded there in 0.65 of its sampled episodes and in 0.33 once the envs
+# moved on (pi0-FAST, docs/results/default_run.md), which read as RL making the policy worse.
+# 500,000 is far from both: a run's RL episodes would need that many episodes per host to reach it.
+DEMO_SEED_OFFSET = 500_000
+
+
+def demo_seed(seed: int) -> int:
+  """The seed demonstrations are recorded with for the run seed ``seed``."""
+  return seed + DEMO_SEED_OFFSET
+
+
 def expert_demonstrator(config: ml_collections.ConfigDict, num_envs: int, *,
                         noise: float) -> Demonstrator:
-  """The scripted expert of ``config.env`` on ``num_envs`` envs."""
-  env = registry.make_env(config.env, num_envs, config.seed, group_size=1)
-  return ExpertDemonstrator(env, noise=noise, speed=config.bc.expert_speed, seed=config.seed,
+  """The scripted expert of ``config.env`` on ``num_envs`` envs, at :func:`demo_seed`."""
+  seed = demo_seed(config.seed)
+  env = registry.make_env(config.env, num_envs, seed, group_size=1)
+  return ExpertDemonstrator(env, noise=noise, speed=config.bc.expert_speed, seed=seed,
                             horizon=config.model.chunk_len)
 
 

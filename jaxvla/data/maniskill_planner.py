@@ -9,7 +9,8 @@ plans a grasp and screw motions and steps a ``pd_joint_pos`` env along the path.
 (:mod:`jaxvla.data.planner_worker`, which also says how each step is recorded
 and labelled in the policy's control mode) with the observation settings of
 ``config.env``, and yields their episodes in seed order. Attempt ``k`` is the
-task's episode with seed ``config.seed + k``; with several tasks (``env.task`` joined by
+task's episode with seed ``demonstrators.demo_seed(config.seed) + k`` (episodes no RL or
+evaluation env of the run plays); with several tasks (``env.task`` joined by
 commas) it is task ``k % n``'s, so the tasks take turns.
 
 The workers run with NumPy 1 first on their path: mplib is built against it and
@@ -74,7 +75,10 @@ class PlannerDemonstrator:
       raise ValueError(f"config.env.control_mode={e.control_mode!r}: planner demonstrations are "
                        f"recorded for {planner_worker.LABEL_CONTROL_MODES} only")
     self._site = _planner_site()
-    self._env_config, self.seed, self.num_workers = e, config.seed, max(1, num_workers)
+    # Episode seeds demonstrators.demo_seed(config.seed) + k: none a run's RL or evaluation
+    # envs play.
+    self._env_config, self.num_workers = e, max(1, num_workers)
+    self.seed = demonstrators.demo_seed(config.seed)
     self.noise = noise
     probe = maniskill.ManiSkillCPU(e.task, 1, obs_mode=e.obs_mode, control_mode=e.control_mode,
                                    image_size=e.image_size,
@@ -99,7 +103,7 @@ class PlannerDemonstrator:
                 f"--{k}={v}" for k, v in maniskill.gym_options(e).items()]
 
   def _task(self, seed: int) -> str:
-    """The task attempted with ``seed``: attempt ``seed - config.seed``'s turn."""
+    """The task attempted with ``seed``: attempt ``seed - self.seed``'s turn."""
     return self._tasks[(seed - self.seed) % len(self._tasks)]
 
   def episodes(self, num_episodes: int) -> Iterator[demonstrators.Episode]:

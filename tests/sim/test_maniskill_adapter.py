@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from configs import maniskill as maniskill_config
+from jaxvla.data import demonstrators
 from jaxvla.envs import make_vec_env
 from jaxvla.envs import maniskill as maniskill_env
 
@@ -103,7 +104,8 @@ def test_planner_demonstrations_replay_to_success(tmp_path, control_mode):
   assert np.abs(table.actions).max() <= 1.0
   assert table.tasks == ("pick up the red cube and move it to the goal",)
   starts = np.concatenate([[0], np.cumsum(table.lengths)])
-  for e, seed in enumerate([c.seed, c.seed + 1]):  # (the planner succeeds on both seeds)
+  first = demonstrators.demo_seed(c.seed)
+  for e, seed in enumerate([first, first + 1]):  # (the planner succeeds on both seeds)
     env = maniskill_env.make_gym_env(c.env.task, obs_mode="state", control_mode=control_mode,
                                      image_size=64, max_episode_steps=c.env.max_episode_steps,
                                      reward_mode="sparse")
@@ -224,9 +226,10 @@ def test_planner_records_the_cameras_the_rl_env_shows(tmp_path):
   assert summary["episodes"] == 1
   steps = list(tfds.builder_from_directory(out).as_data_source()["train"][0]["steps"])
   first = steps[0]["observation"]
-  env = maniskill_env.make(c.env, 1, c.seed, group_size=1)
+  seed = demonstrators.demo_seed(c.seed)  # (the first attempt's episode seed)
+  env = maniskill_env.make(c.env, 1, seed, group_size=1)
   try:
-    obs = env.reset(c.seed)
+    obs = env.reset(seed)
     np.testing.assert_array_equal(first["base_camera"], obs.images[0, 0])
     np.testing.assert_allclose(first["state"], obs.state[0], atol=1e-6)
   finally:
