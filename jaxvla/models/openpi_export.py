@@ -61,7 +61,7 @@ POS_EMBEDDING = "PaliGemma/img/pos_embedding"
 # quantiles (its DataConfigFactory: use_quantile_norm = model_type != PI0). The one
 # owner of that rule: jaxvla.storage.policy_io reads openpi checkpoints with it.
 OPENPI_NORM_MODE = {"pi0": "zscore", "pi05": "quantile", "pi0_fast": "quantile"}
-FAST_SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_openpi_params.json")
+from jaxvla.models.summary import FAST_SPEC  # (its one owner) pylint: disable=wrong-import-position
 
 
 def _spec(model: str, spec_path: str = summary.DEFAULT_SPEC) -> dict[str, dict]:

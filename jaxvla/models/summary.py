@@ -107,16 +107,14 @@ def env_spec(variant: str) -> protocol.EnvSpec:
 
 
 def stand_in_fast_tokenizer(config: ml_collections.ConfigDict, horizon: int,
-                            action_dim: int) -> str:
-  """A directory holding a FAST tokenizer fitted on random smooth chunks ``[512, H, A]``
+                            action_dim: int, directory: str) -> None:
+  """Saves into ``directory`` a FAST tokenizer fitted on random smooth chunks ``[512, H, A]``
   at ``config.fast_scale`` / ``fast_vocab_size``, covering ``[-1, 1]``: the tree's shapes
   depend on a tokenizer only through its vocabulary size."""
   from jaxvla.models import fast_tokenizer as fast_lib  # pylint: disable=import-outside-toplevel
   chunks = fast_lib.smooth_chunks(np.random.default_rng(0), 512, horizon, action_dim)
-  path = tempfile.mkdtemp(prefix="fast_stand_in_")
   fast_lib.FastTokenizer.fit(chunks, scale=config.fast_scale, vocab_size=config.fast_vocab_size,
-                             cover=1.0).save(path)
-  return path
+                             cover=1.0).save(directory)
 
 
 def make_policy(model: str, variant: str, *, dtype: str | None = None,
@@ -137,9 +135,11 @@ def make_policy(model: str, variant: str, *, dtype: str | None = None,
       if not os.path.isdir(fast_tokenizer):
         raise ValueError(f"--fast_tokenizer={fast_tokenizer!r} is not a directory")
       config.fast_tokenizer_path = fast_tokenizer
-    elif not config.fast_tokenizer_path:
-      config.fast_tokenizer_path = stand_in_fast_tokenizer(config, config.chunk_len,
-                                                           spec.action_dim)
+    elif not config.fast_tokenizer_path:  # (the policy reads the files when it is made)
+      with tempfile.TemporaryDirectory(prefix="fast_stand_in_") as directory:
+        stand_in_fast_tokenizer(config, config.chunk_len, spec.action_dim, directory)
+        config.fast_tokenizer_path = directory
+        return policy_lib.make_policy(config, spec)
   return policy_lib.make_policy(config, spec)
 
 
