@@ -41,6 +41,9 @@ The RL method of ``sft_rl`` / ``sft_rl_short`` and the vision variants (``VARIAN
   pirl_noise  piRL's flow-noise: every step stochastic with a learned std in [0.08,
               0.16], the log-prob the mean over the chain's densities, the same critic.
   grpo        GRPO on pirl_sde's sampler: groups of 8 envs share an episode's start.
+  fast        the policy is openpi's pi0-FAST (tiny) instead of pi0: the same demonstrations,
+              its own SFT (next-token BC on FAST tokens fitted to them, openpi's quantile
+              normalisation), then PPO on the whole model over the emitted tokens.
 
 Pick the task with ``--config.env.task=StackCube-v1`` (tasks with a planner solution:
 PickCube, PushCube, StackCube, PullCube, LiftPegUpright, PlaceSphere, PegInsertionSide).
@@ -62,7 +65,9 @@ MULTITASK = "PushCube-v1,PickCube-v1,StackCube-v1"
 # Its state, laid out alike for every task (goal_pos and is_grasped zero where a task
 # has none): ManiSkill's rgb-mode fields, never an object's pose.
 MULTITASK_STATE = "qpos,qvel,tcp_pose,is_grasped,goal_pos"
-METHODS = ("residual", "latent", "flow_sde", "pirl_sde", "pirl_noise", "grpo")
+METHODS = ("residual", "latent", "flow_sde", "pirl_sde", "pirl_noise", "grpo", "fast")
+# The methods whose policy is another model: same demonstrations and budget, their own SFT.
+OWN_SFT = ("fast",)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -218,6 +223,9 @@ def _set_method(c: ml_collections.ConfigDict, method: str) -> None:
   m, rl = c.model, c.rl
   if method == "residual":
     return
+  if method == "fast":
+    _set_fast(c)
+    return
   if method == "latent":
     m.train_sampler, m.eval_sampler = "latent", "latent_mean"
     m.steer_std_init = 1.0  # The base policy's N(0, 1) noise.
@@ -249,3 +257,23 @@ def _set_method(c: ml_collections.ConfigDict, method: str) -> None:
     c.algorithm = "grpo"
     c.env.group_size = 8  # 16 envs: 2 groups of 8 per update.
     rl.value_clip = 0.0  # (GRPO has no critic)
+
+
+def _set_fast(c: ml_collections.ConfigDict) -> None:
+  """pi0-FAST over the ``sft_rl`` recipe: the same demonstrations, env and RL budget."""
+  m = c.model
+  m.name = "pi0_fast"
+  # openpi normalises pi0-FAST's state and actions by quantiles: the prompt cuts the state
+  # into 256 bins over [-1, 1] and the FAST fit covers chunks in [-1, 1]; z-scores would
+  # put every value beyond one std into an end bin.
+  c.data.normalize = "quantile"
+  # The prefix: "task: push ..., state:" and one bin per state value (PushCube's 35, PickCube's 42).
+  m.max_token_len = 64
+  # PushCube's chunks (5 x 8) take 15.4 FAST tokens on average, 18 at p95 (docs/design/
+  # policy.md); with "action", "|" and eos a postfix is about 21. 32 bounds a wandering sample.
+  m.max_action_tokens = 32
+  # Decode at the positions BC trained at (configs/default.py:fast; docs/design/policy.md).
+  m.fast_positions = "train"
+  # PPO over tokens: each token's own ratio (as the LLM systems and configs/default.py:fast),
+  # not the chunk's joint one the flow recipes clip.
+  c.rl.ratio = "per_term_correction"
