@@ -267,11 +267,13 @@ def _set_fast(c: ml_collections.ConfigDict) -> None:
   # into 256 bins over [-1, 1] and the FAST fit covers chunks in [-1, 1]; z-scores would
   # put every value beyond one std into an end bin.
   c.data.normalize = "quantile"
-  # The prefix: "task: push ..., state:" and one bin per state value (PushCube's 35, PickCube's 42).
-  m.max_token_len = 64
-  # PushCube's chunks (5 x 8) take 15.4 FAST tokens on average, 18 at p95 (docs/design/
-  # policy.md); with "action", "|" and eos a postfix is about 21. 32 bounds a wandering sample.
-  m.max_action_tokens = 32
+  # The prefix: the instruction's words and one bin per state value (PushCube: 10 + 35 = 45
+  # tokens, PickCube 10 + 42). Every BC and RL pass runs the padded length.
+  m.max_token_len = 56
+  # PushCube's chunks (5 x 8) take 15 FAST tokens on average, 18 at p95 and at most 20 with
+  # the tokenizer fitted on 20 demonstrations; with "action", "|" and eos a postfix is at
+  # most 23. 28 bounds a wandering sample; the BC pass pads every postfix to it.
+  m.max_action_tokens = 28
   # Decode at the positions BC trained at (configs/default.py:fast; docs/design/policy.md).
   m.fast_positions = "train"
   # PPO over tokens: each token's own ratio (as the LLM systems and configs/default.py:fast),
