@@ -279,3 +279,6 @@ def _set_fast(c: ml_collections.ConfigDict) -> None:
   # PPO over tokens: each token's own ratio (as the LLM systems and configs/default.py:fast),
   # not the chunk's joint one the flow recipes clip.
   c.rl.ratio = "per_term_correction"
+  # The whole model trains, as in piRL's whole-flow methods: their actor step. At the
+  # recipe's 1e-4 (a head's) the first update's approx. KL was 256, 74% of ratios clipped.
+  c.rl.learning_rate = 1e-5
