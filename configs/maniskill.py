@@ -18,7 +18,8 @@ Variants:
           action term's summed chain log-prob (``model.log_prob_steps = "sum"``, where
           piRL takes the mean), the whole-flow method whose gain varies least over
           seeds (docs/results/maniskill.md). ``flow_rl_short`` runs 160k RL env steps,
-          about 8 minutes on 2 cores; it is the test suite's ManiSkill3 learning run.
+          about 8 minutes on 2 cores. (The learning step's ManiSkill3 run is
+          ``sft_rl_short`` at 320k env steps: tests/test_learning.py.)
   vision_rl, vision_rl_short  ``sft_rl`` / ``sft_rl_short`` from the camera: 64 px RGB
           (rendered once per chunk, the Panda drawn with decimated meshes), the
           demonstrations' images, SFT of the tiny pi0 with its vision tower, then RL.

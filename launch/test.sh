@@ -10,7 +10,7 @@
 #   (d) sim        pytest -m sim -n WORKERS   real simulators (ManiSkill3, LIBERO), tests/sim/
 # `bash launch/test.sh --only=learning` runs the fifth step, apart from the others:
 #   (e) learning   pytest -m learning -n WORKERS
-#                  the long learning runs (ManiSkill3 SFT -> whole-flow RL, async parity,
+#                  the long learning runs (ManiSkill3 SFT -> residual RL, async parity,
 #                  the planner's measured check), about 11 minutes on 2 cores. Run it before
 #                  calling done a change to models/, learner/, algorithms/, rollout/,
 #                  runtime/ or a recipe config (docs/guides/contributing.md).

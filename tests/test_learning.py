@@ -6,8 +6,9 @@
   slowly, and only a working RL learner (correct log-probs, advantages, signs and
   updates) speeds it up. A learner that does nothing, or climbs the wrong way, stays at
   or below the warm start.
-* On the real ManiSkill3 simulator: SFT -> PPO on the flow VLA's own weights, shortened
-  (``configs/maniskill.py:flow_rl_short``), from the motion planner's demonstrations on.
+* On the real ManiSkill3 simulator: SFT -> residual PPO over the frozen flow
+  (``configs/maniskill.py:sft_rl_short`` at 320k env steps), from the motion planner's
+  demonstrations on.
 """
 
 import os
@@ -75,26 +76,29 @@ def test_async_learning_matches_sync(tmp_path):
 
 
 @pytest.mark.run_first(0)  # (the longest: first)
-# About 13 minutes beside the other learning tests on an AVX-512 CPU (15 in a slow
-# hour), about twice that on an AVX2-only CPU (CI's, some days): a guard of its own.
+# About 16 minutes beside the parity run on the 2-core AVX2 CPU, more in a slow hour:
+# a guard of its own.
 @pytest.mark.timeout(3600)
-def test_sft_then_whole_flow_rl_raises_maniskill_success(tmp_path):
+def test_sft_then_rl_raises_maniskill_success(tmp_path):
   """ManiSkill3 PushCube-v1 (CPU simulator, state observations), one command's whole job
-  (``configs/maniskill.py:flow_rl_short``): the motion planner's 20 demonstrations on
-  disk, SFT on them, then 160k env steps of PPO on the flow's own weights (piRL's
-  flow-noise with the clip on the chain's summed log-prob). Evaluated on the same 100
-  fixed-seed episodes before and after RL.
+  (``configs/maniskill.py:sft_rl_short`` with 320k RL env steps): the motion planner's 20
+  demonstrations on disk, SFT on them, then residual PPO over the frozen SFT flow.
+  Evaluated on the same 100 fixed-seed episodes before and after RL.
 
-  The margin, 0.10: every evaluation of a run plays the same episodes with the same
+  The margin, 0.15: every evaluation of a run plays the same episodes with the same
   sampler noise, so a policy that RL left unchanged scores exactly its SFT success, and
   a different policy of the same quality scores within about 0.05 (the std of one
-  evaluation over sampler keys: 0.04, docs/results/maniskill.md "The learning test").
-  The run is deterministic on one machine (lockstep sync); another CPU's floating point
-  changes it as a seed would. The recipe's gains over seeds are in
-  docs/results/maniskill.md ("The learning test"); the margin sits below the smallest.
+  evaluation over sampler keys is 0.04; a difference of two such draws reaches 0.15
+  about 0.4% of the time). Seeds 0 to 2 of this run gained 0.31, 0.26 and GAIN2; at the
+  method table's 80k env steps they gained 0.18, 0.01 and 0.16, and RL on the flow's
+  own weights (``flow_rl_short``, 160k) -0.01 at seed 0: no margin above the noise holds
+  there at every seed (docs/results/maniskill.md "The learning test"). The run is
+  deterministic on one machine (lockstep sync); another CPU's floating point changes it
+  as a seed would.
   """
   from configs import maniskill  # pylint: disable=import-outside-toplevel
-  c = maniskill.get_config("flow_rl_short")
+  c = maniskill.get_config("sft_rl_short")
+  c.total_env_steps = 320_000  # (the method table's 80k gains too little at some seeds)
   c.log.progress = False
   workdir = str(tmp_path / "run")
   r = train.train_and_evaluate(c, workdir)
@@ -103,13 +107,13 @@ def test_sft_then_whole_flow_rl_raises_maniskill_success(tmp_path):
   warm = r["warm_start_success_rate"]
   assert 0.2 <= warm <= 0.7, f"the SFT policy should be clearly imperfect, not {warm}"
   assert r["env_steps"] >= c.total_env_steps and r["env_steps_unaccounted"] == 0
-  assert r["success_rate"] >= warm + 0.10, (
+  assert r["success_rate"] >= warm + 0.15, (
       f"RL raised success from {warm:.2f} to {r['success_rate']:.2f} only")
-  # By the flow's own weights: checkpoint 0 is the SFT policy, the export RL's; the
-  # action expert (openpi's `_1` weights) and the action output moved, not just rl/.
+  # By the residual head alone: checkpoint 0 is the SFT policy, the export RL's; the
+  # flow stays as SFT left it and the steering head (rl/steer_*) moved.
   _, sft, _ = checkpoint_lib.load_checkpoint_params(os.path.join(workdir, "checkpoints"), 0)
   after, _ = checkpoint_lib.load_policy_params(r["export_dir"])
   sft, after = traverse_util.flatten_dict(sft), traverse_util.flatten_dict(after)
-  moved = {"/".join(k) for k, a in sft.items() if not np.array_equal(a, after[k])}
-  assert {"action_out_proj/kernel", "PaliGemma/llm/layers/mlp_1/linear",
-          "PaliGemma/llm/layers/attn/q_einsum_1/w"} <= moved, sorted(moved)
+  moved = ["/".join(k) for k, a in sft.items() if not np.array_equal(a, after[k])]
+  assert moved and all(p.startswith("rl/") for p in moved), moved
+  assert any(p.startswith("rl/steer_") for p in moved), moved

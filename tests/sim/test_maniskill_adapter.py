@@ -1,6 +1,6 @@
 """ManiSkill3 through the jaxvla env contract and the worker pool (CPU). The training loop
 on ManiSkill3, from planner demonstrations through SFT and RL, is the learning step's
-``tests/test_learning.py::test_sft_then_whole_flow_rl_raises_maniskill_success``."""
+``tests/test_learning.py::test_sft_then_rl_raises_maniskill_success``."""
 
 import numpy as np
 import pytest
