@@ -89,7 +89,7 @@ def test_sft_then_rl_raises_maniskill_success(tmp_path):
   sampler noise, so a policy that RL left unchanged scores exactly its SFT success, and
   a different policy of the same quality scores within about 0.05 (the std of one
   evaluation over sampler keys is 0.04; a difference of two such draws reaches 0.15
-  about 0.4% of the time). Seeds 0 to 2 of this run gained 0.31, 0.26 and GAIN2; at the
+  about 0.4% of the time). Seeds 0 to 2 of this run gained 0.31, 0.26 and 0.34; at the
   method table's 80k env steps they gained 0.18, 0.01 and 0.16, and RL on the flow's
   own weights (``flow_rl_short``, 160k) -0.01 at seed 0: no margin above the noise holds
   there at every seed (docs/results/maniskill.md "The learning test"). The run is
