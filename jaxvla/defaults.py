@@ -132,6 +132,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Steered: the head also reads every image token through this many channels each
   # (the camera's spatial layout; 0: the pooled features only).
   c.model.steer_image_channels = 0
+  # Steered: the head also reads the critic state as its own small CNN estimates it from
+  # the cameras, trained by regression on the env's critic state (env.critic_state_dim)
+  # with weight rl.state_estimate_coef at the critic's step (jaxvla/models/pi0.py).
+  c.model.steer_state_estimator = False
   c.model.num_bins = 256  # action_token_vla: bins per action dimension (tokens per bin).
   # pi0_fast: FAST tokenizer directory (fast_tokenizer.save's or HuggingFace's files); '':
   # fitted on the warm start's demonstrations at fast_scale and fast_vocab_size.
@@ -199,6 +203,7 @@ def get_config() -> ml_collections.ConfigDict:
   # too (token-level PPO); 'mean': the geometric mean over the terms, GSPO-style.
   c.rl.ratio = "per_term_correction"  # 'per_term_correction', 'joint', 'per_term' or 'mean'.
   c.rl.value_coef = 0.5  # Weight of the value loss.
+  c.rl.state_estimate_coef = 1.0  # Weight of the state estimator's loss (model.steer_state_estimator).
   c.rl.value_loss = "mse"  # Critic loss of the error: 'mse' (0.5 e^2) or 'huber'.
   c.rl.huber_delta = 10.0  # 'huber': quadratic within this error, linear beyond.
   c.rl.value_clip = 0.0  # Clip the value's move from the rollout's, PPO2-style (0: off).

@@ -3,19 +3,25 @@
 Checks that a fresh steering head leaves the base policy's behaviour (latent: exactly;
 residual: on average), that the chunk's log-prob is the steering Gaussian's density
 (SciPy reference) in ``act`` and ``evaluate`` alike, that RL trains the RL heads alone
-while BC still trains the network, that bad sampler settings name their config key,
+while BC still trains the network, that the head's pixel state estimator learns by its
+own regression alone, that bad sampler settings name their config key,
 and that a steered export loads steered while openpi's layout refuses it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from scipy import stats
 
 from jaxvla.envs import builtin
 from jaxvla.learner import learner as learner_lib
+from jaxvla.learner import optimizers
 from jaxvla.models import denoise, openpi_import as oi, pi0, policy as policy_lib
 from tests import trajectories
 
@@ -176,6 +182,96 @@ def test_spatial_read_sees_where_in_the_image_and_never_a_masked_camera(smoke_co
   np.testing.assert_allclose(mean(noisy).actions, mean(masked).actions, rtol=1e-5, atol=1e-5)
 
 
+def _square_images(rng, n, size):
+  """``n`` black ``size``-px images, each with a white 4-px square at a random place, and
+  the critic state ``[n, 3]``: the square's row and column, and a constant."""
+  pos = rng.integers(0, size - 4, (n, 2))
+  images = np.zeros((n, 1, size, size, 3), np.uint8)
+  for i, (r, col) in enumerate(pos):
+    images[i, 0, r:r + 4, col:col + 4] = 255
+  critic = np.concatenate([pos, np.full((n, 1), 5.0)], axis=1).astype(np.float32)
+  return images, critic
+
+
+def test_state_estimator_reads_the_critic_state_off_the_pixels(smoke_config):
+  """``model.steer_state_estimator``: the head's own CNN learns where a square is from the
+  pixels by its regression on the critic state alone (about 1 for a constant guess, under
+  0.1 after 300 Adam steps); the actor's loss never reaches it and its loss reaches
+  nothing else; the head reads it; a masked camera's pixels change nothing."""
+  smoke_config.model.steer_state_estimator = True
+  env = builtin.make(smoke_config.env, 4, 0)
+  spec = dataclasses.replace(env.spec, critic_state_dim=3)
+  smoke_config.model.train_sampler, smoke_config.model.eval_sampler = "residual", "residual_mean"
+  pol = policy_lib.make_policy(smoke_config.model, spec)
+  params = _perturb_heads(jax.device_get(pol.init(jax.random.PRNGKey(0))))
+  flat = oi.flatten(params)
+  assert flat["rl/estimator/out/kernel"].shape == (pi0.ESTIMATOR_HIDDEN, 3)
+  assert flat["rl/steer_in/kernel"].shape[0] == (pi0.feature_width(pol.net) + 2
+                                                 + pol.chunk_len * pol.action_dim + 3)
+  assert set(oi.flatten(pol.logical_axes())) == set(flat)
+  rng = np.random.default_rng(0)
+  size = spec.image_shape[0]
+  images, critic = _square_images(rng, 4, size)
+  obs = env.observe()
+  obs.images, obs.critic_state = images, critic
+  batch = pol.prepare(obs)
+  act = jax.jit(pol.act, static_argnums=3)
+  out = act(params, batch, jax.random.PRNGKey(1), "train")
+
+  # Which parameters each loss reaches (one Jacobian: [2, ...] per leaf).
+  losses = lambda p: (lambda ev: jnp.stack([ev.log_prob.sum(), ev.state_estimate_loss.sum()]))(
+      pol.evaluate(p, batch, out.chain))
+  jac = oi.flatten(jax.device_get(jax.jit(jax.jacrev(losses))(params)))
+  reached = lambda i: {k for k, v in jac.items() if np.abs(v[i]).max() > 0}
+  actor, estimator = reached(0), reached(1)
+  assert estimator and all(k.startswith("rl/estimator/") for k in estimator)
+  assert "rl/steer_in/kernel" in actor and not any(k.startswith("rl/estimator/") for k in actor)
+  assert optimizers._actor_critic_labels(params)["rl"]["estimator"]["out"]["kernel"] == "critic"
+
+  # The head reads the estimate: another estimator moves the mean, not the base flow.
+  zeroed = dict(params, rl=dict(params["rl"], estimator=jax.tree.map(
+      np.zeros_like, params["rl"]["estimator"])))
+  key = jax.random.PRNGKey(3)
+  a, b = act(params, batch, key, "eval"), act(zeroed, batch, key, "eval")
+  assert not np.allclose(a.actions, b.actions, atol=1e-4)
+  np.testing.assert_array_equal(a.chain[:, :-1], b.chain[:, :-1])
+  masked = dict(batch, image_mask=np.zeros_like(batch["image_mask"]))
+  noisy = dict(masked, images=rng.integers(0, 256, images.shape, dtype=np.uint8))
+  est = lambda p, b: pi0.estimate_state(pol.net, p, b["images"], b["image_mask"])
+  np.testing.assert_allclose(est(params, noisy), est(params, masked), rtol=1e-6, atol=1e-6)
+
+  # The regression alone learns where the square is.
+  tx = optax.adam(1e-3)
+  q = params["rl"]["estimator"]
+  loss = lambda q, im, cs: pi0.state_estimate_loss(est(dict(params, rl=dict(
+      params["rl"], estimator=q)), dict(images=im, image_mask=np.ones((len(im), 1), bool))),
+      cs).mean()
+  step = jax.jit(lambda q, s, im, cs: _adam_step(tx, loss, q, s, im, cs))
+  opt = tx.init(q)
+  test_images, test_critic = _square_images(rng, 256, size)
+  before = float(loss(q, test_images, test_critic))
+  for _ in range(300):
+    q, opt = step(q, opt, *_square_images(rng, 64, size))
+  after = float(loss(q, test_images, test_critic))
+  assert before > 0.5 and after < 0.1, (before, after)
+
+  # The learner trains it (with the critic's Adam) and reports its loss.
+  smoke_config.rl.num_minibatches = 1
+  smoke_config.rl.value_learning_rate = 1e-3
+  lrn = learner_lib.Learner(pol, smoke_config)
+  state = learner_lib.init_state(params, lrn.ppo_tx, jax.random.PRNGKey(0))
+  new, metrics = lrn.update(state, trajectories.sampled(pol, env, params))
+  assert metrics["nonfinite"] == 0 and metrics["state_estimate_loss"] > 0
+  after = oi.flatten(jax.device_get(new.params))
+  assert not np.array_equal(after["rl/estimator/conv_0/kernel"], flat["rl/estimator/conv_0/kernel"])
+
+
+def _adam_step(tx, loss, q, state, *args):
+  g = jax.grad(loss)(q, *args)
+  updates, state = tx.update(g, state, q)
+  return optax.apply_updates(q, updates), state
+
+
 @pytest.mark.parametrize("changes,match", [
     (dict(eval_sampler="latent_mean"), "config.model.eval_sampler: 'latent_mean'"),
     (dict(train_sampler="latent", eval_sampler="residual_mean"),
@@ -184,6 +280,9 @@ def test_spatial_read_sees_where_in_the_image_and_never_a_masked_camera(smoke_co
     (dict(train_sampler="latent", steer_std_min=1.5), "config.model.steer_std_min"),
     (dict(train_sampler="residual", steer_hidden=0), "config.model.steer_hidden"),
     (dict(train_sampler="residual", steer_bound=0.0), "config.model.steer_bound"),
+    (dict(train_sampler="residual", steer_state_estimator=True),
+     "config.model.steer_state_estimator .*critic_state_dim, got 0"),
+    (dict(steer_state_estimator=True), "config.model.steer_state_estimator needs a steered"),
 ])
 def test_bad_sampler_settings_name_the_key(smoke_config, changes, match):
   """The policy refuses them too (one owner, denoise.check_samplers), not only the run."""

@@ -183,6 +183,7 @@ class PPOObjective:
                                  rows["returns"], ev.entropy, weights=weights,
                                  proximal_log_prob=s * proximal, old_value=rows["value"],
                                  **ppo.loss_kwargs(self.cfg))
+    loss, metrics = _with_state_estimate(loss, metrics, ev, weights, self.cfg)
     return loss, dict(metrics, loss=loss)
 
   def batch_metrics(self, traj: types.Trajectory, rows: dict) -> dict:
@@ -216,6 +217,19 @@ class PPOObjective:
       metrics[name + "_stale"] = mean_over(x, stale)
     metrics["stale_frac"] = jnp.mean(stale.astype(jnp.float32))
     return metrics
+
+
+def _with_state_estimate(loss: jax.Array, metrics: dict, ev: contract.Evaluation,
+                         weights: jax.Array, cfg: ml_collections.ConfigDict
+                         ) -> tuple[jax.Array, dict]:
+  """The loss plus ``rl.state_estimate_coef`` times the policy's state-estimator
+  regression (``Evaluation.state_estimate_loss``, weighted as the chunks are, so it adds
+  up over micro-batches like the PPO terms); the metric ``state_estimate_loss``. Unchanged
+  for a policy without an estimator."""
+  if ev.state_estimate_loss is None:
+    return loss, metrics
+  est = jnp.sum(jnp.where(weights != 0, weights * ev.state_estimate_loss, 0.0))
+  return loss + cfg.state_estimate_coef * est, dict(metrics, state_estimate_loss=est)
 
 
 class GRPOObjective:
@@ -288,6 +302,7 @@ class GRPOObjective:
         weights=weights.reshape(-1), proximal_log_prob=s * proximal,
         **dict(ppo.loss_kwargs(self.cfg), value_coef=0.0, value_clip=0.0))
     del metrics["value_loss"]
+    loss, metrics = _with_state_estimate(loss, metrics, ev, weights.reshape(-1), self.cfg)
     return loss, dict(metrics, loss=loss)
 
   def batch_metrics(self, eb: types.EpisodeBatch, rows: dict) -> dict:

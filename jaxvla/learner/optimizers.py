@@ -45,6 +45,10 @@ def bc_learning_rate(bc_config: ml_collections.ConfigDict) -> float | optax.Sche
 
 
 CRITIC_PREFIX = "rl/value_"  # the value head's parameters (every policy family's)
+# The steering head's state estimator (jaxvla.models.pi0.estimate_state) trains with the
+# critic's Adam: a regression on the critic state, as the value head's, which the actor's
+# loss does not reach (the head reads its output without a gradient).
+ESTIMATOR_PREFIX = "rl/estimator/"
 RL_SCHEDULES = ("constant", "linear")
 
 
@@ -121,10 +125,12 @@ def make_optimizer(learning_rate: float | optax.Schedule, max_grad_norm: float,
 
 
 def _actor_critic_labels(params: contract.Params) -> contract.Params:
-  """``'critic'`` for the value head's leaves (:data:`CRITIC_PREFIX`), ``'actor'`` else."""
+  """``'critic'`` for the value head's and the state estimator's leaves
+  (:data:`CRITIC_PREFIX`, :data:`ESTIMATOR_PREFIX`), ``'actor'`` else."""
   path_of = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)
+  critic = (CRITIC_PREFIX, ESTIMATOR_PREFIX)
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: "critic" if path_of(path).startswith(CRITIC_PREFIX) else "actor", params)
+      lambda path, _: "critic" if path_of(path).startswith(critic) else "actor", params)
 
 
 # The two optimizers a Learner trains with. Both call make_optimizer through this

@@ -78,11 +78,14 @@ class ActOutput:
 
 @struct.dataclass
 class Evaluation:
-  """Log-prob ``[B]`` (and per dimension ``[B, H, A_net]``), value ``[B]`` and entropy ``[B]``."""
+  """Log-prob ``[B]`` (and per dimension ``[B, H, A_net]``), value ``[B]`` and entropy ``[B]``;
+  ``state_estimate_loss`` ``[B]``: a policy's auxiliary regression of the critic state
+  (the flow VLA's steering-head estimator), None for a policy without one."""
   log_prob: jax.Array
   log_prob_dims: jax.Array
   value: jax.Array
   entropy: jax.Array
+  state_estimate_loss: jax.Array | None = None
 
 
 def host_counts(policy) -> dict[str, float]:

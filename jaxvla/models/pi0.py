@@ -13,8 +13,9 @@ the prefix's key/value cache, so the prefix is computed once per observation.
 
 The top-level keys are openpi's (``PaliGemma``, ``action_in_proj``, ...); the RL
 additions — the value head, the ``flow_noise`` std head and, with a steered
-sampler ('latent', 'residual'), the steering head (:func:`steer`) — live under ``rl/`` and are not
-part of an openpi checkpoint. Variants: ``tiny`` (CPU tests),
+sampler ('latent', 'residual'), the steering head (:func:`steer`) and its pixel state
+estimator (:func:`estimate_state`) — live under ``rl/`` and are not part of an openpi
+checkpoint. Variants: ``tiny`` (CPU tests),
 ``small``, ``full`` (Gemma 2B + Gemma 300M + So400m/14, openpi's sizes).
 """
 
@@ -42,6 +43,14 @@ VARIANTS = {
              siglip.VARIANTS["So400m/14"]),
 }
 VALUE_SOURCES = ("expert", "prefix")
+# The state estimator's convolutions, (kernel, stride, channels) with 'SAME' padding:
+# NatureCNN's (Mnih et al. 2015), the encoder of ManiSkill's own RGB PPO baseline; then a
+# dense layer of ESTIMATOR_HIDDEN units and one to the critic state's size.
+ESTIMATOR_CONVS = ((8, 4, 32), (4, 2, 64), (3, 1, 64))
+ESTIMATOR_HIDDEN = 256
+# Floor of a critic-state dim's spread in the estimator's loss (:func:`state_estimate_loss`),
+# in the state's units (1 mm, 1 mrad): a constant dim's target stays near 0.
+ESTIMATE_STD_FLOOR = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +81,9 @@ class Pi0Config:
   steer_std_min: float = 0.05
   # Channels per image token of the head's spatial read (:func:`steer_image_input`; 0: none).
   steer_image_channels: int = 0
+  # The steering head also reads the critic state as estimated from the cameras by a
+  # small CNN of its own (:func:`estimate_state`), trained by regression on the critic state.
+  steer_state_estimator: bool = False
   # The value head trains on the features without moving them (no critic gradient into
   # the VLM or the expert; RLinf's detach_critic_input).
   value_detach: bool = False
@@ -107,6 +119,11 @@ class Pi0Config:
     if model.variant == "full" and model.vocab_size != PALIGEMMA_VOCAB_SIZE:
       raise ValueError(f"config.model.vocab_size must be {PALIGEMMA_VOCAB_SIZE} (PaliGemma's) "
                        f"for the full variant, got {model.vocab_size}")
+    estimator = bool(model.get("steer_state_estimator", False))
+    if estimator and not (model.train_sampler in denoise.STEERED and critic_state_dim):
+      raise ValueError("config.model.steer_state_estimator needs a steered train_sampler "
+                       f"({sorted(denoise.STEERED)}, got {model.train_sampler!r}) and a critic "
+                       f"state to regress on (config.env.critic_state_dim, got {critic_state_dim})")
     vocab = model.vocab_size or vocab_size
     if vocab < vocab_size:
       raise ValueError(f"config.model.vocab_size={vocab} is smaller than the tokenizer's "
@@ -123,7 +140,7 @@ class Pi0Config:
                steer_hidden=model.steer_hidden, steer_bound=model.steer_bound,
                steer_std_init=model.steer_std_init, steer_std_min=model.steer_std_min,
                steer_image_channels=model.steer_image_channels,
-               value_detach=model.value_detach, critic_state_dim=critic_state_dim)
+               steer_state_estimator=estimator, value_detach=model.value_detach, critic_state_dim=critic_state_dim)
 
   @property
   def compute_dtype(self):
@@ -157,10 +174,13 @@ def build(cfg: Pi0Config, rngs: nnx.Rngs) -> layers.Node:
     hid = cfg.steer_hidden
     # The residual head also sees the base flow's chunk [H * A].
     din = (value_in + cfg.state_dim + (cfg.chunk_len * a if cfg.steer == "residual" else 0)
-           + steer_image_width(cfg))
+           + steer_image_width(cfg)
+           + (cfg.critic_state_dim if cfg.steer_state_estimator else 0))
     if cfg.steer_image_channels:
       rl["steer_image"] = layers.dense(rngs, cfg.llm.width, cfg.steer_image_channels,
                                        ("embed", None))
+    if cfg.steer_state_estimator:
+      rl["estimator"] = _build_estimator(cfg, rngs)
     rl["steer_in"] = layers.dense(rngs, din, hid, (None, "mlp"))
     rl["steer_hidden"] = layers.dense(rngs, hid, hid, ("mlp", "mlp"))
     # Zero-initialised mean: the steered policy starts as the base policy (latent: noise
@@ -171,6 +191,22 @@ def build(cfg: Pi0Config, rngs: nnx.Rngs) -> layers.Node:
     rl["steer_log_std"] = layers.param(rngs, log_std, (cfg.chunk_len, a), (None, "action"))
   children["rl"] = layers.Node(**rl)
   return layers.Node(**children)
+
+
+def _build_estimator(cfg: Pi0Config, rngs: nnx.Rngs) -> layers.Node:
+  """``rl/estimator``: :data:`ESTIMATOR_CONVS` over the cameras stacked on channels, then
+  the dense layers (replicated: a few hundred thousand parameters)."""
+  size, channels, convs = cfg.image_size, 3 * cfg.num_cameras, {}
+  for i, (k, stride, out) in enumerate(ESTIMATOR_CONVS):
+    init = layers.lecun(in_axis=(0, 1, 2), out_axis=3)
+    convs[f"conv_{i}"] = layers.Node(
+        kernel=layers.param(rngs, init, (k, k, channels, out), (None,) * 4),
+        bias=layers.param(rngs, layers.zeros, (out,), (None,)))
+    size, channels = -(-size // stride), out
+  return layers.Node(**convs,
+                     hidden=layers.dense(rngs, size * size * channels, ESTIMATOR_HIDDEN,
+                                         (None, "mlp")),
+                     out=layers.dense(rngs, ESTIMATOR_HIDDEN, cfg.critic_state_dim, ("mlp", None)))
 
 
 def tokens_per_image(cfg: Pi0Config) -> int:
@@ -376,9 +412,46 @@ def steer_image_input(cfg: Pi0Config, p: dict, prefix: Prefix) -> jax.Array:
   return read.reshape(read.shape[0], -1)
 
 
+def estimate_state(cfg: Pi0Config, p: dict, images: jax.Array,
+                   image_mask: jax.Array) -> jax.Array:
+  """The critic state as the steering head's own CNN reads it off the cameras ``[B, C]``.
+
+  ``images`` ``uint8 [B, N, H, W, 3]`` (at the model's size, as the ViT sees them) are
+  stacked on channels, a masked camera (``image_mask`` ``bool [B, N]`` False) as zeros.
+  The output is in the units :func:`state_estimate_loss` trains it in: each dim
+  standardised by the training minibatch's spread. An asymmetric critic's privileged
+  state (Pinto et al. 2018) thus also teaches the actor's perception: the head over a
+  frozen flow reads what the flow's pooled features know only roughly (where the
+  object is), and a deployed policy still needs its cameras and proprioception alone.
+  """
+  q = p["rl"]["estimator"]
+  b, n = images.shape[:2]
+  x = _images(cfg, images).reshape(b, n, cfg.image_size, cfg.image_size, 3)
+  x = x * image_mask.astype(x.dtype)[:, :, None, None, None]
+  x = x.transpose(0, 2, 3, 1, 4).reshape(b, cfg.image_size, cfg.image_size, 3 * n)
+  for i, (_, stride, _) in enumerate(ESTIMATOR_CONVS):
+    conv = q[f"conv_{i}"]
+    x = jax.nn.relu(jax.lax.conv_general_dilated(
+        x, conv["kernel"], (stride, stride), "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC")) + conv["bias"])
+  h = jax.nn.relu(layers.apply_dense(q["hidden"], x.reshape(b, -1)))
+  return layers.apply_dense(q["out"], h)
+
+
+def state_estimate_loss(estimate: jax.Array, critic_state: jax.Array) -> jax.Array:
+  """The estimator's regression loss per row ``[B]``: the squared error against the
+  critic state ``[B, C]`` standardised by this batch's mean and spread (floored at
+  :data:`ESTIMATE_STD_FLOOR`), averaged over dims, so every dim counts alike whatever its
+  units (about 1 for a constant guess of a varying dim, 0 for a perfect estimate)."""
+  target = critic_state.astype(jnp.float32)
+  mean, std = target.mean(0), target.std(0)
+  z = jax.lax.stop_gradient((target - mean) / jnp.maximum(std, ESTIMATE_STD_FLOOR))
+  return jnp.mean(jnp.square(estimate.astype(jnp.float32) - z), axis=-1)
+
+
 def steer(cfg: Pi0Config, p: dict, feats: jax.Array, state: jax.Array,
-          base: jax.Array | None = None,
-          image: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          base: jax.Array | None = None, image: jax.Array | None = None,
+          estimate: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """The steering head's Gaussian: mean ``[B, H, A]`` and std ``[H, A]``.
 
   'latent': over the flow's initial noise; 'residual': over the correction added to
@@ -387,7 +460,8 @@ def steer(cfg: Pi0Config, p: dict, feats: jax.Array, state: jax.Array,
   ``±steer_bound`` (tanh) so steered noise stays where the flow was trained and a
   correction stays a correction, and the std is a state-independent parameter
   (``steer_std_init`` at first) floored at ``steer_std_min``. The mean starts at 0.
-  With ``steer_image_channels`` the MLP also reads ``image``, :func:`steer_image_input`.
+  With ``steer_image_channels`` the MLP also reads ``image``, :func:`steer_image_input`;
+  with ``steer_state_estimator`` the ``estimate`` of :func:`estimate_state`.
   """
   q = p["rl"]
   inputs = [feats, state.astype(jnp.float32)]
@@ -395,6 +469,8 @@ def steer(cfg: Pi0Config, p: dict, feats: jax.Array, state: jax.Array,
     inputs.append(base.reshape(base.shape[0], -1).astype(jnp.float32))
   if cfg.steer_image_channels:
     inputs.append(image)
+  if cfg.steer_state_estimator:
+    inputs.append(estimate.astype(jnp.float32))
   h = jnp.tanh(layers.apply_dense(q["steer_in"], jnp.concatenate(inputs, axis=-1)))
   h = jnp.tanh(layers.apply_dense(q["steer_hidden"], h))
   raw = layers.apply_dense(q["steer_mean"], h).reshape(-1, cfg.chunk_len, cfg.action_dim)

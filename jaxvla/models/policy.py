@@ -104,13 +104,26 @@ class FlowPolicy(layers.TreeOwner):
     """``[A_net]``: 1 for the env's action dims, 0 for padding."""
     return (jnp.arange(self.net.action_dim) < self.action_dim).astype(jnp.float32)
 
+  def _estimate(self, params: Params, batch: dict) -> jax.Array | None:
+    """The state estimator's reading ``[B, C]`` of the cameras (``pi0.estimate_state``),
+    None without one."""
+    if not self.net.steer_state_estimator:
+      return None
+    return pi0.estimate_state(self.net, params, batch["images"], contract.image_mask(batch))
+
   def _steer(self, params: Params, prefix: pi0.Prefix, feats: jax.Array, state: jax.Array,
-             base: jax.Array | None = None):
-    """The steering head's ``(mean [B, H, A_net], std [H, A_net])`` (see ``pi0.steer``)."""
+             base: jax.Array | None = None, estimate: jax.Array | None = None):
+    """The steering head's ``(mean [B, H, A_net], std [H, A_net])`` (see ``pi0.steer``).
+
+    ``estimate``: the state estimator's reading; the head takes it as an input, without
+    a gradient into the estimator (which its own regression trains, not the actor's loss).
+    """
     image = (pi0.steer_image_input(self.net, params, prefix)
              if self.net.steer_image_channels else None)
+    if estimate is not None:
+      estimate = jax.lax.stop_gradient(estimate)
     return pi0.steer(self.net, params, feats, state,
-                     None if base is None else base * self._dim_mask(), image)
+                     None if base is None else base * self._dim_mask(), image, estimate)
 
   def _steer_log_prob(self, x: jax.Array, mean: jax.Array, std: jax.Array) -> jax.Array:
     """Per-dimension log-density ``[B, H, A_net]`` of the steered draw (0 on padded dims)."""
@@ -141,8 +154,9 @@ class FlowPolicy(layers.TreeOwner):
     noise = jax.random.normal(noise_key, (b, self.chunk_len, self.net.action_dim))
     feats = pi0.features(self.net, params, prefix, state)
     dims = self._dim_mask().astype(bool)
+    estimate = self._estimate(params, batch) if head else None
     if head == "latent":
-      mean, std = self._steer(params, prefix, feats, state)
+      mean, std = self._steer(params, prefix, feats, state, estimate=estimate)
       # Padded dims act on nothing and keep the base policy's N(0, 1) noise.
       noise = jnp.where(dims, mean + std * noise if mode == "latent" else mean, noise)
       draw = noise
@@ -152,7 +166,7 @@ class FlowPolicy(layers.TreeOwner):
         mode="ode" if head else mode, noise_level=self.noise_level, **self._steps(mode))
     if head == "residual":
       base = chain[:, -1]
-      mean, std = self._steer(params, prefix, feats, state, base)
+      mean, std = self._steer(params, prefix, feats, state, base, estimate)
       draw = mean
       if mode == "residual":
         draw = mean + std * jax.random.normal(residual_key, base.shape)
@@ -179,16 +193,19 @@ class FlowPolicy(layers.TreeOwner):
         raise ValueError(f"a {self.steer!r} chain has {want} entries, got {chain.shape[1]}")
       state = batch["state"]
       feats = pi0.features(self.net, params, prefix, state)
+      estimate = self._estimate(params, batch)
       if self.steer == "latent":
-        mean, std = self._steer(params, prefix, feats, state)
+        mean, std = self._steer(params, prefix, feats, state, estimate=estimate)
         logp = self._steer_log_prob(chain[:, 0], mean, std)
       else:
-        mean, std = self._steer(params, prefix, feats, state, chain[:, -2])
+        mean, std = self._steer(params, prefix, feats, state, chain[:, -2], estimate)
         logp = self._steer_log_prob(chain[:, -1] - chain[:, -2], mean, std)
       return Evaluation(log_prob=logp.sum((1, 2)), log_prob_dims=logp,
                         value=pi0.value_head(params, feats, self.net.value_detach,
                                              batch.get("critic_state")),
-                        entropy=self._steer_entropy(std, chain.shape[0]))
+                        entropy=self._steer_entropy(std, chain.shape[0]),
+                        state_estimate_loss=(None if estimate is None else pi0.state_estimate_loss(
+                            estimate, batch["critic_state"])))
     logp, stds = denoise.chain_log_prob(
         self._velocity_fn(params, prefix, batch["state"]), chain, num_steps=self.num_steps,
         mode=self.train_sampler, noise_level=self.noise_level,
