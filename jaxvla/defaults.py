@@ -132,7 +132,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Steered: the head also reads every image token through this many channels each
   # (the camera's spatial layout; 0: the pooled features only).
   c.model.steer_image_channels = 0
-  # Steered: the head also reads the critic state as its own small CNN estimates it from
+  # Steered: the head also reads the critic state as its own small network estimates it from
   # the cameras, trained by regression on the env's critic state (env.critic_state_dim)
   # with weight rl.state_estimate_coef at the critic's step (jaxvla/models/pi0.py).
   c.model.steer_state_estimator = False

@@ -194,7 +194,7 @@ def _square_images(rng, n, size):
 
 
 def test_state_estimator_reads_the_critic_state_off_the_pixels(smoke_config):
-  """``model.steer_state_estimator``: the head's own CNN learns where a square is from the
+  """``model.steer_state_estimator``: the head's own network learns where a square is from the
   pixels by its regression on the critic state alone (about 1 for a constant guess, under
   0.1 after 300 Adam steps); the actor's loss never reaches it and its loss reaches
   nothing else; the head reads it; a masked camera's pixels change nothing."""
@@ -263,7 +263,7 @@ def test_state_estimator_reads_the_critic_state_off_the_pixels(smoke_config):
   new, metrics = lrn.update(state, trajectories.sampled(pol, env, params))
   assert metrics["nonfinite"] == 0 and metrics["state_estimate_loss"] > 0
   after = oi.flatten(jax.device_get(new.params))
-  assert not np.array_equal(after["rl/estimator/conv_0/kernel"], flat["rl/estimator/conv_0/kernel"])
+  assert not np.array_equal(after["rl/estimator/patch/kernel"], flat["rl/estimator/patch/kernel"])
 
 
 def _adam_step(tx, loss, q, state, *args):
