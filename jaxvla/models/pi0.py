@@ -122,7 +122,7 @@ class Pi0Config:
     if model.variant == "full" and model.vocab_size != PALIGEMMA_VOCAB_SIZE:
       raise ValueError(f"config.model.vocab_size must be {PALIGEMMA_VOCAB_SIZE} (PaliGemma's) "
                        f"for the full variant, got {model.vocab_size}")
-    estimator = bool(model.get("steer_state_estimator", False))
+    estimator = model.steer_state_estimator
     if estimator and not (model.train_sampler in denoise.STEERED and critic_state_dim):
       raise ValueError("config.model.steer_state_estimator needs a steered train_sampler "
                        f"({sorted(denoise.STEERED)}, got {model.train_sampler!r}) and a critic "
@@ -143,7 +143,8 @@ class Pi0Config:
                steer_hidden=model.steer_hidden, steer_bound=model.steer_bound,
                steer_std_init=model.steer_std_init, steer_std_min=model.steer_std_min,
                steer_image_channels=model.steer_image_channels,
-               steer_state_estimator=estimator, value_detach=model.value_detach, critic_state_dim=critic_state_dim)
+               steer_state_estimator=estimator, value_detach=model.value_detach,
+               critic_state_dim=critic_state_dim)
 
   @property
   def compute_dtype(self):
@@ -415,8 +416,8 @@ def estimate_state(cfg: Pi0Config, p: dict, images: jax.Array,
                    image_mask: jax.Array) -> jax.Array:
   """The critic state as the steering head's own network reads it off the cameras ``[B, C]``.
 
-  ``images`` ``uint8 [B, N, H, W, 3]`` (at the model's size, as the ViT sees them) are
-  stacked on channels, a masked camera (``image_mask`` ``bool [B, N]`` False) as zeros.
+  ``images`` ``uint8 [B, N, H, W, 3]`` (resized to the model's size, as the ViT sees
+  them) are cut into the ViT's patches, the cameras stacked on channels, a masked camera (``image_mask`` ``bool [B, N]`` False) as zeros.
   The output is in the units :func:`state_estimate_loss` trains it in: each dim
   standardised by the training minibatch's spread. An asymmetric critic's privileged
   state (Pinto et al. 2018) thus also teaches the actor's perception: the head over a
