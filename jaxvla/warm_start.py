@@ -145,6 +145,19 @@ def _check_dataset_fits(reader, d: ml_collections.ConfigDict, spec: protocol.Env
                        f"env's {getattr(spec, what)}")
 
 
+def _normalizer(d: ml_collections.ConfigDict, spec: protocol.EnvSpec, reader=None
+                ) -> norm_lib.Normalizer | None:
+  """The run's normalisation (``data_loader.normalizer_from_config``), which must cover the
+  env's critic state (``EnvSpec.critic_state_dim``): raises ValueError naming the
+  statistics' source otherwise."""
+  normalizer = data_loader.normalizer_from_config(d, reader)
+  if normalizer is not None:
+    normalizer.check_critic_state(
+        spec.critic_state_dim, f"config.data.norm_stats ({d.norm_stats})" if d.norm_stats
+        else f"the statistics of {d.path or getattr(reader, 'path', 'the dataset')}")
+  return normalizer
+
+
 def warm_start(config: ml_collections.ConfigDict, learner: learner_lib.Learner,
                policy: contract.Policy, spec: protocol.EnvSpec, workdir: str, params, rng
                ) -> tuple[object, norm_lib.Normalizer | None, dict]:
@@ -153,14 +166,14 @@ def warm_start(config: ml_collections.ConfigDict, learner: learner_lib.Learner,
   ``config.data.norm_stats`` or the dataset) and figures. Multi-process: each process
   reads its shard of the steps and feeds its share of every batch."""
   if config.bc.num_steps == 0:
-    return params, data_loader.normalizer_from_config(config.data), {}
+    return params, _normalizer(config.data, spec), {}
   d, figures = demonstrations(config, workdir, spec)
   hosts = jax.process_count()
   ds, reader = data_loader.from_config(d, chunk_len=config.model.chunk_len,
                                          batch_size=config.bc.batch_size // hosts,
                                          seed=config.seed + 3)
   _check_dataset_fits(reader, d, spec)
-  normalizer = data_loader.normalizer_from_config(d, reader)
+  normalizer = _normalizer(d, spec, reader)
   batches = data_loader.bc_batches(iter(ds), policy.prepare, normalizer)
   state = learner.shard_state(learner_lib.init_state(params, learner.bc_tx, rng))
   guard = guard_lib.DivergenceGuard(config.rl.max_bad_updates, "BC step")

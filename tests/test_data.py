@@ -833,6 +833,58 @@ def test_normalized_env_feeds_normalised_state_and_unnormalises_actions():
   np.testing.assert_allclose(result.obs.state, n.state(np.array([[3.0, 5.0]])))
 
 
+class _CriticEnv(_RecordingEnv):
+  """:class:`_RecordingEnv` whose observations carry a critic state ``[B, 3]``."""
+
+  def _obs(self, b):
+    obs = super()._obs(b)
+    obs.critic_state = np.tile([[3.0, 0.01, 5.0]], (b, 1)).astype(np.float32)
+    return obs
+
+
+def test_critic_state_is_z_scored_by_the_demonstrations_statistics(tmp_path):
+  """An asymmetric critic's simulation state reaches the value head z-scored by the
+  demonstrations' statistics, its std floored (a nearly still dim is not magnified); a
+  new run refuses statistics without them, an older policy's pass it through raw."""
+  from jaxvla import warm_start  # pylint: disable=import-outside-toplevel
+  from jaxvla.data import episodes  # pylint: disable=import-outside-toplevel
+  critic = np.array([[-1.0, 0.0, 5.0], [3.0, 0.002, 5.0]], np.float32)
+  table = episodes.EpisodeTable(lengths=np.array([2]), state=np.zeros((2, 2), np.float32),
+                                actions=np.zeros((2, 2), np.float32),
+                                task_ids=np.zeros(2, np.int32), tasks=("x",),
+                                critic_state=critic)
+  stats = norm_stats.compute(table)
+  np.testing.assert_allclose(stats[norm_stats.CRITIC_STATE].mean, [1.0, 0.001, 5.0])
+  np.testing.assert_allclose(stats[norm_stats.CRITIC_STATE].std, [2.0, 0.001, 0.0], atol=1e-9)
+  n = norm_stats.Normalizer(stats, "quantile")  # (the critic state is z-scored in any mode)
+  floor = norm_stats.CRITIC_STATE_STD_FLOOR
+  want = [[1.0, (0.01 - 0.001) / floor, 0.0]]
+  np.testing.assert_allclose(n.critic_state(np.array([[3.0, 0.01, 5.0]])), want, rtol=1e-6)
+  env = normalized.wrap(_CriticEnv(), n)
+  np.testing.assert_allclose(env.reset(0).critic_state, want * 2, rtol=1e-6)
+  result = env.step_chunk(np.zeros((2, 1, 2)))
+  np.testing.assert_allclose(result.obs.critic_state, want * 2, rtol=1e-6)
+  assert result.final_obs.critic_state.shape == (1, 0)  # (no critic state: nothing to do)
+  # Stored with the policy (checkpoint metadata, the export's norm_stats.json).
+  back = norm_stats.Normalizer.from_json(json.loads(json.dumps(n.to_json())))
+  np.testing.assert_allclose(back.critic_state(critic), n.critic_state(critic))
+  n.check_critic_state(3)
+  with pytest.raises(ValueError, match="'critic_state' has 3 dims, config.env.critic_state_dim=4"):
+    n.check_critic_state(4)
+  # Statistics from before the critic state was recorded.
+  old = norm_stats.Normalizer(_stats(), "zscore")
+  np.testing.assert_array_equal(old.critic_state(critic), critic)  # its value head read it raw
+  old.check_critic_state(0)
+  file = norm_stats.save(str(tmp_path / "old"), _stats())
+  c = default.get_config()
+  c.data.normalize, c.data.norm_stats = "zscore", file
+  spec = protocol.EnvSpec(camera_names=("c",), image_shape=(1, 1, 3), state_dim=2,
+                          action_dim=2, max_episode_steps=5, critic_state_dim=3)
+  with pytest.raises(ValueError, match=r"config.data.norm_stats \(.*old.*\) have no "
+                     r"'critic_state' entry, which an env with config.env.critic_state_dim=3"):
+    warm_start._normalizer(c.data, spec)  # pylint: disable=protected-access
+
+
 def test_collect_success_only_records_successes_and_fails_when_too_few(tmp_path):
   from jaxvla.data import collect  # pylint: disable=import-outside-toplevel
   c = default.get_config()

@@ -12,7 +12,11 @@ It prints the held-out R^2 of each target per source:
   masked mean) with the state, what the value and steering heads read;
 * ``prefix_image``: every image token's decoder output, flattened;
 * ``vit``: every image token out of the ViT, flattened;
-* ``pixels``: the camera's raw pixels (every third value).
+* ``pixels``: the camera's raw pixels (every third value);
+* ``estimate``: where the policy has one (``model.steer_state_estimator``), the state
+  estimator's whole reading of the critic state, and ``estimate_direct`` its own dims for
+  the targets, mapped back by a least-squares line per dim (what the head reads, with no
+  probe's capacity added).
 
 Episodes ``e % 4 == 0`` are held out (all their chunks), the others fit; the ridge
 strength is the best of a fixed grid on the held-out set, so the figures are an upper
@@ -29,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxvla.envs import make_vec_env, normalized
-from jaxvla.models import pi0, siglip
+from jaxvla.models import contract, pi0, siglip
 from jaxvla.storage import policy_io
 
 SOURCES = ("state", "expert", "prefix_mean", "prefix_image", "vit", "pixels")
@@ -57,9 +61,13 @@ def collect(loaded: policy_io.LoadedPolicy, num_envs: int, chunks: int, seed: in
     vit = siglip.encode(net.vit, params["PaliGemma"]["img"], pi0._images(net, batch["images"]),  # pylint: disable=protected-access
                         dtype=net.compute_dtype)
     tokens = n * vit.shape[1]
-    return dict(expert=pi0.features(by_source["expert"], params, prefix, state),
-                prefix_mean=pi0.features(by_source["prefix"], params, prefix, state),
-                prefix_image=prefix.hidden[:, :tokens].reshape(b, -1), vit=vit.reshape(b, -1))
+    out = dict(expert=pi0.features(by_source["expert"], params, prefix, state),
+               prefix_mean=pi0.features(by_source["prefix"], params, prefix, state),
+               prefix_image=prefix.hidden[:, :tokens].reshape(b, -1), vit=vit.reshape(b, -1))
+    if net.steer_state_estimator:
+      out["estimate"] = pi0.estimate_state(net, params, batch["images"],
+                                           contract.image_mask(batch))
+    return out
 
   env = normalized.wrap(make_vec_env(loaded.config.env, num_envs, seed, num_workers=0,
                                      step_timeout_s=600.0), loaded.normalizer)
@@ -79,6 +87,8 @@ def collect(loaded: policy_io.LoadedPolicy, num_envs: int, chunks: int, seed: in
   finally:
     env.close()
   out = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+  if "estimate" in out:
+    out["estimate_direct"] = out["estimate"][:, targets]
   for pooled in ("expert", "prefix_mean"):  # (the heads read them beside the state)
     out[pooled] = np.concatenate([out[pooled], out["state"]], axis=1)
   return out
@@ -102,6 +112,17 @@ def ridge_r2(x: np.ndarray, y: np.ndarray, test: np.ndarray) -> tuple[np.ndarray
   return best
 
 
+def line_r2(x: np.ndarray, y: np.ndarray, test: np.ndarray) -> np.ndarray:
+  """Held-out R^2 per target ``[T]`` of one least-squares line per dim, ``y[:, t]`` from
+  ``x[:, t]`` alone: how well an estimate in its own (standardised) units tells a dim."""
+  r2 = []
+  for t in range(y.shape[1]):
+    slope, icept = np.polyfit(x[~test, t], y[~test, t], 1)
+    pred = slope * x[test, t] + icept
+    r2.append(1 - ((pred - y[test, t]) ** 2).sum() / ((y[test, t] - y[test, t].mean()) ** 2).sum())
+  return np.asarray(r2)
+
+
 def main(argv: list[str]) -> None:
   del argv
   loaded = policy_io.load(**POLICY.load_kwargs())
@@ -110,10 +131,16 @@ def main(argv: list[str]) -> None:
   test = data["episode"] % 4 == 0
   print(json.dumps(dict(policy=loaded.path, samples=int(len(test)), held_out=int(test.sum()),
                         targets=targets, target_std=data["target"].std(0).round(4).tolist())))
-  for source in SOURCES:
+  for source in SOURCES + ("estimate",):
+    if source not in data:
+      continue
     r2, lam = ridge_r2(data[source], data["target"], test)
     print(json.dumps(dict(source=source, dim=int(data[source].shape[1]),
                           r2=[round(float(v), 3) for v in r2], ridge=lam)))
+  if "estimate_direct" in data:
+    print(json.dumps(dict(source="estimate_direct", dim=len(targets),
+                          r2=[round(float(v), 3) for v in line_r2(
+                              data["estimate_direct"], data["target"], test)])))
 
 
 if __name__ == "__main__":

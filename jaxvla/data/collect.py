@@ -6,7 +6,8 @@ that :class:`jaxvla.data.rlds.RldsReader` (and TFDS itself) reads. Per step:
 ``observation/<camera>`` (PNG, lossless), ``observation/state``, ``action``,
 ``reward``, ``discount``, ``is_first / is_last / is_terminal`` (terminal: the
 episode ended by success or failure, not by the time limit) and
-``language_instruction``; per episode ``episode_metadata/success``. The default
+``language_instruction`` (and ``observation/critic_state`` for an env whose critic
+reads the simulation state); per episode ``episode_metadata/success``. The default
 config's ``data`` block reads it back with ``--config.data.path=DIR``.
 
 Demonstrators (:mod:`jaxvla.data.demonstrators`): an env with a scripted expert
@@ -35,15 +36,29 @@ from jaxvla.data.episodes import ONE_LINE_ERRORS
 MAX_ATTEMPTS_PER_EPISODE = 4  # success_only: attempts per episode asked for, at most.
 
 
-def rlds_example(episode: Episode, cameras: tuple[str, ...]) -> dict:
-  """An :class:`Episode` as the nested example :func:`rlds.step_features` describes."""
+def rlds_example(episode: Episode, cameras: tuple[str, ...], critic_state_dim: int = 0) -> dict:
+  """An :class:`Episode` as the nested example :func:`rlds.step_features` describes
+  (with ``critic_state_dim``: the episode's critic state too).
+
+  Raises:
+    ValueError: the env has a critic state (``critic_state_dim``) and the episode's
+      demonstrator did not record one of that size.
+  """
   t = len(episode.actions)
+  critic = episode.critic_state
+  if critic_state_dim and (critic is None or np.shape(critic) != (t, critic_state_dim)):
+    raise ValueError(f"the demonstrator recorded critic_state of shape "
+                     f"{None if critic is None else np.shape(critic)}, the env's "
+                     f"critic_state_dim needs [{t}, {critic_state_dim}]")
   steps = []
   for i in range(t):
     last = i == t - 1
+    observation = {**{c: PIL.Image.fromarray(episode.images[i, k])
+                      for k, c in enumerate(cameras)}, "state": episode.state[i]}
+    if critic_state_dim:
+      observation[rlds.CRITIC_STATE_KEY.split("/", 1)[1]] = critic[i].astype(np.float32)
     steps.append(dict(
-        observation={**{c: PIL.Image.fromarray(episode.images[i, k])
-                        for k, c in enumerate(cameras)}, "state": episode.state[i]},
+        observation=observation,
         action=episode.actions[i], reward=episode.rewards[i], discount=np.float32(1.0),
         is_first=i == 0, is_last=last, is_terminal=last and episode.terminated,
         language_instruction=episode.instruction))
@@ -77,7 +92,8 @@ def collect(config: ml_collections.ConfigDict, out: str, num_episodes: int, *,
                                    noise=noise)
   spec = demonstrator.spec
   features = rlds.step_features({c: spec.image_shape for c in spec.camera_names},
-                                spec.state_dim, spec.action_dim)
+                                spec.state_dim, spec.action_dim,
+                                critic_state_dim=spec.critic_state_dim)
   steps, outcomes = [], []
   lines = progress.PhaseLog("demonstrations", num_episodes,
                            config.get("log", {}).get("progress_every_s", 30.0))
@@ -89,7 +105,7 @@ def collect(config: ml_collections.ConfigDict, out: str, num_episodes: int, *,
       if success_only and not episode.success:
         continue
       steps.append(len(episode.actions))
-      yield rlds_example(episode, spec.camera_names)
+      yield rlds_example(episode, spec.camera_names, spec.critic_state_dim)
       lines.tick(len(steps), attempted=len(outcomes))
       if len(steps) == num_episodes:
         break

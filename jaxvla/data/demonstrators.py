@@ -38,6 +38,8 @@ class Episode:
     instruction: the episode's instruction.
     terminated: the episode ended by success or failure (False: time limit).
     success: the episode ended in success.
+    critic_state: ``float32 [T, C]`` the simulation state the asymmetric critic reads
+      beside each observation (``EnvSpec.critic_state_dim``), or None where the env has none.
   """
   images: np.ndarray
   state: np.ndarray
@@ -46,6 +48,7 @@ class Episode:
   instruction: str
   terminated: bool
   success: bool
+  critic_state: np.ndarray | None = None
 
 
 class Demonstrator(Protocol):

@@ -58,12 +58,15 @@ class EpisodeTable:
     actions: ``float32 [N, A]``.
     task_ids: ``int32 [N]`` index of each step's instruction in ``tasks``.
     tasks: the distinct instruction texts.
+    critic_state: ``float32 [N, C]`` the simulation state an asymmetric critic reads
+      (recorded demonstrations of such an env), or None where the dataset has none.
   """
   lengths: np.ndarray
   state: np.ndarray
   actions: np.ndarray
   task_ids: np.ndarray
   tasks: tuple[str, ...]
+  critic_state: np.ndarray | None = None
 
   @property
   def num_steps(self) -> int:
@@ -117,8 +120,10 @@ class EpisodeReader(Protocol):
 
 
 def build_table(episodes: list[tuple[np.ndarray, np.ndarray, list[str]]], path: str,
-                features: Features) -> EpisodeTable:
-  """Stacks per-episode ``(state [T, S], actions [T, A], instructions [T])`` into a table.
+                features: Features, critic_state: list[np.ndarray] | None = None
+                ) -> EpisodeTable:
+  """Stacks per-episode ``(state [T, S], actions [T, A], instructions [T])`` into a table,
+  with each episode's ``critic_state [T, C]`` if given.
 
   Raises:
     DataError: no episodes, an empty episode, or state / action sizes that differ
@@ -135,6 +140,11 @@ def build_table(episodes: list[tuple[np.ndarray, np.ndarray, list[str]]], path: 
       if arr.ndim != 2 or arr.shape[0] != len(texts) or arr.shape[1:] != ref.shape[1:]:
         raise DataError(f"{path}: '{key}' of episode {e} has shape {arr.shape}, expected "
                         f"[{len(texts)}, {ref.shape[1]}] (one vector per step)")
+    if critic_state is not None and (critic_state[e].shape[0] != len(texts) or
+                                     critic_state[e].shape[1:] != critic_state[0].shape[1:]):
+      raise DataError(f"{path}: 'critic_state' of episode {e} has shape "
+                      f"{critic_state[e].shape}, expected [{len(texts)}, "
+                      f"{critic_state[0].shape[1]}] (one vector per step)")
     for text in texts:
       vocab.setdefault(text, len(vocab))
   return EpisodeTable(
@@ -142,7 +152,9 @@ def build_table(episodes: list[tuple[np.ndarray, np.ndarray, list[str]]], path: 
       state=np.concatenate([s for s, _, _ in episodes]).astype(np.float32),
       actions=np.concatenate([a for _, a, _ in episodes]).astype(np.float32),
       task_ids=np.array([vocab[t] for _, _, texts in episodes for t in texts], np.int32),
-      tasks=tuple(vocab))
+      tasks=tuple(vocab),
+      critic_state=(None if critic_state is None
+                    else np.concatenate(critic_state).astype(np.float32)))
 
 
 def check_image(image: np.ndarray, shape: tuple[int, int, int], key: str, where: str) -> np.ndarray:

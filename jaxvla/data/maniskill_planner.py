@@ -85,6 +85,7 @@ class PlannerDemonstrator:
                                    max_episode_steps=e.max_episode_steps,
                                    reward_mode=e.reward_mode, seed=config.seed,
                                    state_keys=maniskill.parse_state_keys(e.get("state_keys", "")),
+                                   critic_state_dim=e.get("critic_state_dim", 0),
                                    **maniskill.gym_options(e))
     self.spec: protocol.EnvSpec = probe.spec
     probe.close()
@@ -99,7 +100,8 @@ class PlannerDemonstrator:
             f"--reward_mode={e.reward_mode}", f"--image_size={e.image_size}",
             f"--max_episode_steps={e.max_episode_steps}",
             f"--seeds={','.join(map(str, seeds))}", f"--out={out}", f"--noise={self.noise}",
-            f"--state_keys={e.get('state_keys', '')}"] + [
+            f"--state_keys={e.get('state_keys', '')}",
+            f"--critic_state_dim={e.get('critic_state_dim', 0)}"] + [
                 f"--{k}={v}" for k, v in maniskill.gym_options(e).items()]
 
   def _task(self, seed: int) -> str:
@@ -155,7 +157,8 @@ class PlannerDemonstrator:
     return demonstrators.Episode(images=rec["images"], state=rec["state"], actions=rec["actions"],
                            rewards=rec["rewards"],
                            instruction=maniskill.INSTRUCTIONS[self._task(seed)],
-                           terminated=success, success=success)
+                           terminated=success, success=success,
+                           critic_state=rec.get("critic_state"))
 
   def report(self) -> dict:
     """The planner's figures so far: attempts, success rate over the attempts (errors

@@ -21,8 +21,10 @@ give 0, but a policy acting in an env where it varies slightly would see it
 magnified a million times.
 
 :class:`Normalizer` is what a run applies: state into the policy, action labels
-into the policy's space for SFT, and the policy's actions back out to the env
-(:mod:`jaxvla.envs.normalized`). It is stored with each checkpoint and written
+into the policy's space for SFT, the policy's actions back out to the env
+(:mod:`jaxvla.envs.normalized`), and, for an asymmetric critic, the simulation state
+into the value head (the :data:`CRITIC_STATE` entry, from demonstrations that recorded
+it; openpi reads the file's other entries and leaves this one). It is stored with each checkpoint and written
 into the export, so an exported policy acts correctly on its own.
 
 ``python -m jaxvla.data.norm_stats --config=CONFIG --out=DIR`` writes the file
@@ -44,6 +46,11 @@ from jaxvla.data.episodes import ONE_LINE_ERRORS, EpisodeTable
 FILE_NAME = "norm_stats.json"
 _EPS = 1e-6  # openpi's
 MIN_SPREAD = 1e-4  # std (zscore) or q99 - q01 (quantile) below which a dim is only centred.
+CRITIC_STATE = "critic_state"  # The entry of an asymmetric critic's simulation state.
+# The critic state is z-scored with its std floored here, in the simulator's SI units (1 cm,
+# 0.01 rad, 1 cm/s): a dim nearly still in the demonstrations (a joint velocity of 1 mm/s)
+# would otherwise be magnified a thousand times when RL moves it.
+CRITIC_STATE_STD_FLOOR = 1e-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +79,12 @@ def compute_array(values: np.ndarray) -> NormStats:
 
 
 def compute(table: EpisodeTable) -> dict[str, NormStats]:
-  """``{"state": ..., "actions": ...}`` over every step of a dataset's episode table."""
-  return {"state": compute_array(table.state), "actions": compute_array(table.actions)}
+  """``{"state": ..., "actions": ...}`` over every step of a dataset's episode table, and
+  :data:`CRITIC_STATE` where the table has a critic state."""
+  stats = {"state": compute_array(table.state), "actions": compute_array(table.actions)}
+  if table.critic_state is not None:
+    stats[CRITIC_STATE] = compute_array(table.critic_state)
+  return stats
 
 
 def _as_lists(stats: NormStats) -> dict[str, list[float] | None]:
@@ -206,6 +217,41 @@ class Normalizer:
   def actions(self, a: np.ndarray) -> np.ndarray:
     """The policy's actions ``[..., A]`` -> the env's."""
     return unnormalize(a, self.stats["actions"], self.mode)
+
+  def critic_state(self, x: np.ndarray) -> np.ndarray:
+    """An asymmetric critic's simulation state ``[..., C]`` -> the value head's input:
+    z-scored by the :data:`CRITIC_STATE` statistics, the std floored at
+    :data:`CRITIC_STATE_STD_FLOOR` (whatever :attr:`mode`: openpi's modes are for the
+    policy's state and actions). Raw simulation state mixes metres, radians and
+    quaternions, a cube's place varying by a few centimetres: read raw, the value head
+    hardly saw it (explained variance about 0.2 against 0.5 z-scored, docs/results/maniskill.md).
+    Statistics without the entry (a policy trained before it existed, its value head on the
+    raw state) leave ``x`` as it is; a new run checks with :meth:`check_critic_state`.
+
+    Raises:
+      ValueError: the :data:`CRITIC_STATE` entry has another size than ``x``.
+    """
+    x = np.asarray(x)
+    if x.shape[-1] == 0 or CRITIC_STATE not in self.stats:
+      return x
+    self.check_critic_state(x.shape[-1])
+    s = self.stats[CRITIC_STATE]
+    std = np.maximum(s.std, CRITIC_STATE_STD_FLOOR)
+    return ((x - s.mean) / std).astype(x.dtype, copy=False)
+
+  def check_critic_state(self, size: int, where: str = "the normalisation statistics") -> None:
+    """Raises a ValueError naming ``where`` unless the statistics cover a critic state of
+    ``size`` dims (none needed for 0)."""
+    if not size:
+      return
+    s = self.stats.get(CRITIC_STATE)
+    if s is None:
+      raise ValueError(f"{where} have no {CRITIC_STATE!r} entry, which an env with "
+                       f"config.env.critic_state_dim={size} needs: demonstrations recorded "
+                       f"with the critic state give one (jaxvla.data.collect)")
+    if s.mean.shape != (size,):
+      raise ValueError(f"{where}: {CRITIC_STATE!r} has {s.mean.shape[-1]} dims, "
+                       f"config.env.critic_state_dim={size}")
 
   def to_json(self) -> dict:
     """``{"mode": ..., "norm_stats": {...}}`` (the file's body plus the mode)."""

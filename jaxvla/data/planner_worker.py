@@ -8,10 +8,11 @@ NumPy, gymnasium, mani-skill and :mod:`jaxvla.envs.maniskill`.
 
 ``python -m jaxvla.data.planner_worker --tasks T0,T1,... --obs_mode M --label_mode L
 --image_size N --max_episode_steps N --reward_mode R --seeds S0,S1,... --out DIR
-[--noise S] [--state_keys K0,K1,...] [--robot R] [--render_meshes M]``
+[--noise S] [--state_keys K0,K1,...] [--robot R] [--render_meshes M] [--critic_state_dim C]``
 attempts each seed on its task (``--tasks`` holds one per seed) and, per attempt, writes ``DIR/<seed>.npz`` (``images [T, N_cam,
 H, W, 3]``, ``state [T, S]``, ``actions [T, A]``, ``rewards [T]``, ``success``,
-``clipped``, ``error``) and then prints one JSON line ``{"seed": S, "file": ...}``
+``clipped``, ``error``; with ``--critic_state_dim``, ``critic_state [T, C]``: each recorded
+observation's simulation state, as the RL env gives the asymmetric critic) and then prints one JSON line ``{"seed": S, "file": ...}``
 on the stdout it was given (the solutions' own prints go to stderr).
 
 Recording (:class:`Recorder`): each step's observation before the planner's
@@ -84,8 +85,12 @@ class Recorder(gym.Wrapper):
   episode ends for RL (success or the time limit); later steps run unrecorded."""
 
   def __init__(self, env, labeler: Labeler, max_episode_steps: int, noise: float = 0.0,
-               rng: np.random.Generator | None = None, render: bool = False):
+               rng: np.random.Generator | None = None, render: bool = False,
+               critic_state_dim: int = 0):
     super().__init__(env)
+    # rgb: each recorded observation also carries the simulation state the asymmetric
+    # critic reads (maniskill.privileged_state), so the run's normalisation covers it.
+    self.critic_state_dim = critic_state_dim
     self.labeler, self.max_episode_steps = labeler, max_episode_steps
     # rgb: the env steps without its cameras (the planner's path and whatever it runs
     # after the recording ends), and the cameras are rendered for the recorded steps only.
@@ -106,6 +111,8 @@ class Recorder(gym.Wrapper):
     if not self.ended:
       qpos = maniskill._np(self.env.unwrapped.agent.robot.get_qpos()).reshape(-1)
       obs = maniskill.rendered_obs(self.env) if self.render else self._obs
+      if self.critic_state_dim:
+        obs = maniskill.with_critic_state(obs, self.env, self.critic_state_dim)
       self.steps.append([obs, self.labeler(np.asarray(action).reshape(-1), qpos)])
     if self.noise > 0 and not self.ended:  # (the label above is the clean target)
       action = np.array(action, np.float64).reshape(-1)
@@ -129,6 +136,7 @@ def main(argv: list[str]) -> None:
   p.add_argument("--state_keys", default="")
   p.add_argument("--robot", default="")
   p.add_argument("--render_meshes", default="full")
+  p.add_argument("--critic_state_dim", type=int, default=0)
   a = p.parse_args(argv)
   protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
   sys.stdout = sys.stderr  # The solutions print; only this protocol goes to stdout.
@@ -151,7 +159,7 @@ def main(argv: list[str]) -> None:
           task, obs_mode=a.obs_mode, control_mode=PLANNER_CONTROL_MODE,
           image_size=a.image_size, max_episode_steps=10 * a.max_episode_steps,
           reward_mode=a.reward_mode, **options), labeler, a.max_episode_steps, a.noise,
-          render=a.obs_mode == "rgb")
+          render=a.obs_mode == "rgb", critic_state_dim=a.critic_state_dim)
       env.reset(seed=0)
       raw = maniskill.rendered_obs(env) if env.render else env._obs  # pylint: disable=protected-access
       recorders[task] = env, maniskill.camera_names(raw, a.obs_mode)
@@ -179,7 +187,8 @@ def main(argv: list[str]) -> None:
       obs = maniskill.observation(list(raws), a.obs_mode, cameras, task, state_keys)
       np.savez(file, images=obs.images, state=obs.state, actions=np.stack(labels),
                rewards=np.asarray(rewards, np.float32), success=env.success,
-               clipped=labeler.clipped - before, error=error)
+               clipped=labeler.clipped - before, error=error,
+               **({"critic_state": obs.critic_state} if a.critic_state_dim else {}))
     else:  # (the solution raised before its first step)
       np.savez(file, success=False, clipped=0, error=error or "no step taken")
     protocol_out.write(json.dumps(dict(seed=seed, file=file)) + "\n")

@@ -36,6 +36,9 @@ from jaxvla.data import episodes as episodes_lib
 from jaxvla.data.episodes import DataError, Features
 
 _INFO_FILE = "dataset_info.json"
+# The step key of the simulation state an asymmetric critic reads (demonstrations of an
+# env with EnvSpec.critic_state_dim): read into EpisodeTable.critic_state where present.
+CRITIC_STATE_KEY = "observation/critic_state"
 # Parsed episodes kept per process (images still encoded), the least recently used
 # evicted past this many bytes: a dataset that fits (demonstrations of a few hundred
 # episodes) is parsed once; a larger one, read in shuffled order, mostly misses, which
@@ -204,7 +207,7 @@ class RldsReader:
 
   def _read_table(self) -> episodes_lib.EpisodeTable:
     f = self.features
-    rows = []
+    rows, critic = [], []
     for e in range(len(self._source)):
       steps = self._episode(e)
       texts = [t.decode("utf-8") if isinstance(t, bytes) else str(t)
@@ -212,7 +215,10 @@ class RldsReader:
       state = np.asarray(steps[f.state], np.float32).reshape(len(texts), -1)
       actions = np.asarray(steps[f.action], np.float32).reshape(len(texts), -1)
       rows.append((state, actions, texts))
-    return episodes_lib.build_table(rows, f"{self._dir} (split '{self.split}')", f)
+      if CRITIC_STATE_KEY in self._steps:
+        critic.append(np.asarray(steps[CRITIC_STATE_KEY], np.float32).reshape(len(texts), -1))
+    return episodes_lib.build_table(rows, f"{self._dir} (split '{self.split}')", f,
+                                    critic or None)
 
   def images(self, episode: int, step: int) -> list[np.ndarray]:
     """``uint8 [H, W, 3]`` per camera of step ``step`` of episode ``episode``."""
@@ -241,19 +247,23 @@ class RldsReader:
 
 # ------------------------------------------------------------------ writing --
 def step_features(camera_shapes: dict[str, tuple[int, int, int]], state_dim: int,
-                  action_dim: int, image_format: str = "png"):
+                  action_dim: int, image_format: str = "png", critic_state_dim: int = 0):
   """TFDS features of an RLDS dataset with these cameras (``observation/<camera>``).
 
   The layout is OpenVLA's / Open X-Embodiment's: per step ``observation``
   (cameras and ``state``), ``action``, ``reward``, ``discount``,
   ``is_first / is_last / is_terminal`` and ``language_instruction``; per episode
-  ``episode_metadata/success``.
+  ``episode_metadata/success``. With ``critic_state_dim``, ``observation/critic_state``
+  (:data:`CRITIC_STATE_KEY`) holds the simulation state an asymmetric critic reads.
   """
   tfds = _import_tfds()
   observation = {name: tfds.features.Image(shape=tuple(shape), dtype=np.uint8,
                                            encoding_format=image_format)
                  for name, shape in camera_shapes.items()}
   observation["state"] = tfds.features.Tensor(shape=(state_dim,), dtype=np.float32)
+  if critic_state_dim:
+    observation[CRITIC_STATE_KEY.split("/", 1)[1]] = tfds.features.Tensor(
+        shape=(critic_state_dim,), dtype=np.float32)
   return tfds.features.FeaturesDict({
       "steps": tfds.features.Dataset({
           "observation": tfds.features.FeaturesDict(observation),

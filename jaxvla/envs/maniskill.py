@@ -189,6 +189,12 @@ def privileged_state(env, size: int) -> np.ndarray:
   return np.pad(flat, (0, size - flat.size))
 
 
+def with_critic_state(raw: dict, env, size: int) -> dict:
+  """The raw rgb observation ``raw`` of ``env`` with its :func:`privileged_state` beside
+  it, where :func:`observation` finds it (``Observation.critic_state``)."""
+  return {**raw, _CRITIC_KEY: privileged_state(env, size)}
+
+
 def state_vector(obs, keys: tuple[str, ...] = ()) -> np.ndarray:
   """``float32 [S]``: the flat state of a ``state`` observation, or of an rgb one the
   fields ``keys`` names in that order (missing :data:`PADDED_FIELDS` as zeros), by
@@ -329,7 +335,7 @@ class ManiSkillCPU(instances.InstanceBatch):
     if self._render_in_complete:
       raw = rendered_obs(self._envs[i])
     if self._critic_dim:
-      raw = {**raw, _CRITIC_KEY: privileged_state(self._envs[i], self._critic_dim)}
+      raw = with_critic_state(raw, self._envs[i], self._critic_dim)
     return raw
 
   def _map_actions(self, actions: np.ndarray) -> np.ndarray:

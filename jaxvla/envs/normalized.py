@@ -1,8 +1,8 @@
 """A VecEnv seen through a run's state/action normalisation (the policy's side of the env).
 
 :func:`wrap` returns ``env`` itself when there is no normalisation; otherwise a
-wrapper whose observations carry normalised state (``obs`` and ``final_obs`` of
-every result) and whose ``step_chunk`` / ``send`` take the policy's normalised
+wrapper whose observations carry normalised state and critic state (``obs`` and
+``final_obs`` of every result) and whose ``step_chunk`` / ``send`` take the policy's normalised
 actions and un-normalise them before the env clips them to ``[-1, 1]``. The
 rollout, the learner and evaluation then work in the policy's space only. An
 env pool stays an :class:`protocol.AsyncVecEnv` (``send`` / ``recv``); anything
@@ -28,6 +28,9 @@ class Transform(Protocol):
   def actions(self, a: np.ndarray) -> np.ndarray:
     """The policy's actions ``[..., A]`` -> the env's."""
 
+  def critic_state(self, x: np.ndarray) -> np.ndarray:
+    """The env's critic state ``[..., C]`` -> the value head's input."""
+
 
 class NormalizedEnv:
   """``env`` with normalised state in and un-normalised actions out (see module doc)."""
@@ -41,7 +44,8 @@ class NormalizedEnv:
   def _obs(self, obs: protocol.Observation) -> protocol.Observation:
     if obs.batch_size == 0:
       return obs
-    return dataclasses.replace(obs, state=self.transform.state(obs.state))
+    return dataclasses.replace(obs, state=self.transform.state(obs.state),
+                               critic_state=self.transform.critic_state(obs.critic_state))
 
   def _result(self, result: protocol.ChunkStep) -> protocol.ChunkStep:
     return dataclasses.replace(result, obs=self._obs(result.obs),

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from configs import maniskill as maniskill_config
-from jaxvla.data import demonstrators
+from jaxvla.data import config as data_config
+from jaxvla.data import demonstrators, loader, norm_stats
 from jaxvla.envs import make_vec_env
 from jaxvla.envs import maniskill as maniskill_env
 
@@ -217,7 +218,8 @@ def test_several_tasks_share_one_pool_told_apart_by_instruction():
 def test_planner_records_the_cameras_the_rl_env_shows(tmp_path):
   """Camera demonstrations: the planner's first recorded frame of a seed is the image the
   RL env (per-chunk rendering, lowpoly meshes) shows at that seed's reset, and its state
-  is ManiSkill's rgb-mode state; TFDS reads the dataset back without jaxvla."""
+  is ManiSkill's rgb-mode state and its critic state the asymmetric critic's; TFDS reads the
+  dataset back without jaxvla, and the run's statistics cover the critic state."""
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   from jaxvla.data import collect  # pylint: disable=import-outside-toplevel
   c = maniskill_config.get_config("vision_rl_short")
@@ -232,6 +234,12 @@ def test_planner_records_the_cameras_the_rl_env_shows(tmp_path):
     obs = env.reset(seed)
     np.testing.assert_array_equal(first["base_camera"], obs.images[0, 0])
     np.testing.assert_allclose(first["state"], obs.state[0], atol=1e-6)
+    assert c.env.critic_state_dim == 70
+    np.testing.assert_allclose(first["critic_state"], obs.critic_state[0], atol=1e-6)
   finally:
     env.close()
   assert all(s["observation"]["base_camera"].std() > 1.0 for s in steps)  # every frame rendered
+  table = loader.open_reader(data_config.recorded(c.data, out, ("base_camera",))).table
+  assert table.critic_state.shape == (len(steps), 70)
+  stats = norm_stats.compute(table)[norm_stats.CRITIC_STATE]
+  assert stats.std[13] > 0.0  # the cube moves (x, dim 13)
