@@ -11,7 +11,7 @@
 # `bash launch/test.sh --only=learning` runs the fifth step, apart from the others:
 #   (e) learning   pytest -m learning -n WORKERS
 #                  the long learning runs (ManiSkill3 SFT -> residual RL, async parity,
-#                  the planner's measured check), up to about 27 minutes on 2 cores.
+#                  the planner's measured check), about 17 minutes alone on 2 cores.
 #                  Run it before calling done a change to models/, learner/, algorithms/, rollout/,
 #                  runtime/ or a recipe config (docs/guides/contributing.md).
 # Steps (a), (c), (d) and (e) run their tests in parallel processes (pytest-xdist), one per
