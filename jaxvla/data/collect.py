@@ -56,7 +56,7 @@ def rlds_example(episode: Episode, cameras: tuple[str, ...], critic_state_dim: i
     observation = {**{c: PIL.Image.fromarray(episode.images[i, k])
                       for k, c in enumerate(cameras)}, "state": episode.state[i]}
     if critic_state_dim:
-      observation[rlds.CRITIC_STATE_KEY.split("/", 1)[1]] = critic[i].astype(np.float32)
+      observation[rlds.CRITIC_STATE_FIELD] = critic[i].astype(np.float32)
     steps.append(dict(
         observation=observation,
         action=episode.actions[i], reward=episode.rewards[i], discount=np.float32(1.0),

@@ -38,7 +38,8 @@ from jaxvla.data.episodes import DataError, Features
 _INFO_FILE = "dataset_info.json"
 # The step key of the simulation state an asymmetric critic reads (demonstrations of an
 # env with EnvSpec.critic_state_dim): read into EpisodeTable.critic_state where present.
-CRITIC_STATE_KEY = "observation/critic_state"
+CRITIC_STATE_FIELD = "critic_state"  # (under observation/)
+CRITIC_STATE_KEY = f"observation/{CRITIC_STATE_FIELD}"
 # Parsed episodes kept per process (images still encoded), the least recently used
 # evicted past this many bytes: a dataset that fits (demonstrations of a few hundred
 # episodes) is parsed once; a larger one, read in shuffled order, mostly misses, which
@@ -262,7 +263,7 @@ def step_features(camera_shapes: dict[str, tuple[int, int, int]], state_dim: int
                  for name, shape in camera_shapes.items()}
   observation["state"] = tfds.features.Tensor(shape=(state_dim,), dtype=np.float32)
   if critic_state_dim:
-    observation[CRITIC_STATE_KEY.split("/", 1)[1]] = tfds.features.Tensor(
+    observation[CRITIC_STATE_FIELD] = tfds.features.Tensor(
         shape=(critic_state_dim,), dtype=np.float32)
   return tfds.features.FeaturesDict({
       "steps": tfds.features.Dataset({
