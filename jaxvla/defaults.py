@@ -136,10 +136,6 @@ def get_config() -> ml_collections.ConfigDict:
   # the cameras, trained by regression on the env's critic state (env.critic_state_dim)
   # with weight rl.state_estimate_coef at the critic's step (jaxvla/models/pi0.py).
   c.model.steer_state_estimator = False
-  # pi0 / pi0.5: SFT also regresses the demonstrations' critic state (env.critic_state_dim,
-  # z-scored) off the VLM's image tokens, this the weight of that loss beside the flow's
-  # (0: off). It teaches the vision tower where the objects are; the policy never reads it.
-  c.model.perception_coef = 0.0
   c.model.num_bins = 256  # action_token_vla: bins per action dimension (tokens per bin).
   # pi0_fast: FAST tokenizer directory (fast_tokenizer.save's or HuggingFace's files); '':
   # fitted on the warm start's demonstrations at fast_scale and fast_vocab_size.

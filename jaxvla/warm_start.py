@@ -27,7 +27,6 @@ from jaxvla.data import collect as collect_lib
 from jaxvla.data import config as data_config
 from jaxvla.data import loader as data_loader
 from jaxvla.data import norm_stats as norm_lib
-from jaxvla.data import rlds
 from jaxvla.envs import protocol
 from jaxvla.learner import guard as guard_lib
 from jaxvla.learner import learner as learner_lib
@@ -174,12 +173,6 @@ def warm_start(config: ml_collections.ConfigDict, learner: learner_lib.Learner,
                                          batch_size=config.bc.batch_size // hosts,
                                          seed=config.seed + 3)
   _check_dataset_fits(reader, d, spec)
-  if config.model.get("perception_coef", 0.0) and reader.table.critic_state is None:
-    raise ValueError(f"config.model.perception_coef={config.model.perception_coef}: the "
-                     f"dataset {d.path} has no critic state to regress on (the RLDS step key "
-                     f"{rlds.CRITIC_STATE_KEY!r}, which demonstrations recorded with "
-                     "config.env.critic_state_dim write); set it to 0 or record the "
-                     "demonstrations again")
   normalizer = _normalizer(d, spec, reader)
   batches = data_loader.bc_batches(iter(ds), policy.prepare, normalizer)
   state = learner.shard_state(learner_lib.init_state(params, learner.bc_tx, rng))

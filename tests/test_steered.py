@@ -4,13 +4,12 @@ Checks that a fresh steering head leaves the base policy's behaviour (latent: ex
 residual: on average), that the chunk's log-prob is the steering Gaussian's density
 (SciPy reference) in ``act`` and ``evaluate`` alike, that RL trains the RL heads alone
 while BC still trains the network, that the head's pixel state estimator learns by its
-own regression alone (and SFT's perception head, through the vision tower), that bad sampler settings name their config key,
+own regression alone, that bad sampler settings name their config key,
 and that a steered export loads steered while openpi's layout refuses it.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax
@@ -265,66 +264,6 @@ def test_state_estimator_reads_the_critic_state_off_the_pixels(smoke_config):
   assert metrics["nonfinite"] == 0 and metrics["state_estimate_loss"] > 0
   after = oi.flatten(jax.device_get(new.params))
   assert not np.array_equal(after["rl/estimator/patch/kernel"], flat["rl/estimator/patch/kernel"])
-
-
-def test_perception_loss_teaches_the_vision_tower_where_the_square_is(smoke_config):
-  """``model.perception_coef``: BC's loss adds the perception head's regression of the
-  critic state off the VLM's image tokens; its gradient reaches the ViT and the decoder
-  (not the action expert's layers), the actions never read the head, and its steps fit
-  a batch's square positions (about 1 for a constant guess). With no critic state the config
-  is refused, naming the keys."""
-  smoke_config.model.perception_coef = 1.0
-  env = builtin.make(smoke_config.env, 4, 0)
-  spec = dataclasses.replace(env.spec, critic_state_dim=3)
-  pol = policy_lib.make_policy(smoke_config.model, spec)
-  params = jax.device_get(pol.init(jax.random.PRNGKey(0)))
-  flat = oi.flatten(params)
-  assert flat["rl/perception/out/kernel"].shape[-1] == 3
-  rng = np.random.default_rng(0)
-  size = spec.image_shape[0]
-
-  @jax.jit
-  def perception_loss(p, b):
-    prefix = pol._prefix(p, b)  # pylint: disable=protected-access
-    return pi0.state_estimate_loss(pi0.perceive(pol.net, p, prefix), b["critic_state"]).mean()
-
-  obs = builtin.make(smoke_config.env, 16, 1).observe()
-  obs.images, obs.critic_state = _square_images(rng, 16, size)
-  batch = pol.prepare(obs)
-  actions = np.zeros((16, pol.chunk_len, pol.action_dim), np.float32)
-  key = jax.random.PRNGKey(2)
-  bc = jax.jit(pol.bc_loss)
-  plain = copy.copy(pol)  # the flow's loss alone
-  plain.net = dataclasses.replace(pol.net, perception_coef=0.0)
-  flow = jax.jit(plain.bc_loss)(params, batch, actions, key)
-  np.testing.assert_allclose(bc(params, batch, actions, key),
-                             flow + perception_loss(params, batch), rtol=1e-5)
-  perception_grad = jax.jit(jax.grad(perception_loss))
-  grads = oi.flatten(jax.device_get(perception_grad(params, batch)))
-  reached = {k for k, g in grads.items() if np.abs(g).max() > 0}
-  assert any(k.startswith("PaliGemma/img/") for k in reached)
-  assert "rl/perception/token/kernel" in reached
-  assert not any(k.startswith(("action_", "state_proj", "rl/value", "rl/std"))
-                 for k in reached), reached
-  zeroed = dict(params, rl=dict(params["rl"], perception=jax.tree.map(
-      np.zeros_like, params["rl"]["perception"])))
-  act = jax.jit(pol.act, static_argnums=3)
-  np.testing.assert_array_equal(act(params, batch, key, "eval").actions,
-                                act(zeroed, batch, key, "eval").actions)
-
-  # Its own steps fit where the square is on a fixed batch, through the vision tower.
-  tx = optax.adam(1e-3)
-  p, opt = params, tx.init(params)
-  before = float(perception_loss(p, batch))
-  for _ in range(60):
-    updates, opt = tx.update(perception_grad(p, batch), opt, p)
-    p = optax.apply_updates(p, updates)
-  after = float(perception_loss(p, batch))
-  assert before > 0.5 and after < 0.6 * before, (before, after)  # (40 steps: 0.89 -> 0.48)
-
-  with pytest.raises(ValueError, match=r"config.model.perception_coef=1.0 .*"
-                     r"config.env.critic_state_dim, got 0"):
-    policy_lib.make_policy(smoke_config.model, env.spec)
 
 
 def _adam_step(tx, loss, q, state, *args):

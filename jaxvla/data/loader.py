@@ -27,8 +27,6 @@ A batch of :func:`make_dataset` (B = ``batch_size``)::
   action_mask  bool    [B, H]                False where t+h is past the episode's end
   episode      int64   [B]                   episode index in the split
   step         int64   [B]                   step t in its episode
-  critic_state float32 [B, C]                the simulation state at step t (only where the
-                                             dataset records it: observation/critic_state)
 """
 
 from __future__ import annotations
@@ -127,14 +125,11 @@ class StepSource:
       image = next(stored) if present else np.zeros(self.image_shape, np.uint8)
       images.append(episodes_lib.resize_with_pad(image, self.image_size)
                     if self.image_size else image)
-    sample = dict(images=np.stack(images), image_mask=self.image_mask.copy(),
-                  state=table.state[index],
-                  instruction=np.array(table.tasks[table.task_ids[index]], dtype=object),
-                  actions=actions, action_mask=mask, episode=np.int64(episode),
-                  step=np.int64(step))
-    if table.critic_state is not None:
-      sample["critic_state"] = table.critic_state[index]
-    return sample
+    return dict(images=np.stack(images), image_mask=self.image_mask.copy(),
+                state=table.state[index],
+                instruction=np.array(table.tasks[table.task_ids[index]], dtype=object),
+                actions=actions, action_mask=mask, episode=np.int64(episode),
+                step=np.int64(step))
 
   def __repr__(self) -> str:
     return (f"StepSource({self.reader.path}, {len(self)} steps, H={self.horizon}, "
@@ -219,17 +214,15 @@ def bc_batches(batches: Iterable[dict[str, np.ndarray]],
   ``batch = prepare(Observation(images, state, instruction, image_mask))``, with ``prepare``
   the policy's own ``prepare``; ``(batch, actions)`` are the arguments of
   ``Learner.bc_step(state, batch, actions)`` and ``mask`` marks the real actions.
-  With a ``normalizer``, state and actions are in the policy's normalised space (and the
-  dataset's critic state, where it has one, z-scored as the env wrapper does it).
+  With a ``normalizer``, state and actions are in the policy's normalised space.
   """
   for b in batches:
-    state, actions, critic = b["state"], b["actions"], b.get("critic_state")
+    state, actions = b["state"], b["actions"]
     if normalizer is not None:
       state, actions = normalizer.state(state), normalizer.action_labels(actions)
-      critic = None if critic is None else normalizer.critic_state(critic)
     obs = protocol.Observation(images=b["images"], state=state,
                                instruction=np.asarray(b["instruction"], dtype=object),
-                               image_mask=b["image_mask"], critic_state=critic)
+                               image_mask=b["image_mask"])
     yield prepare(obs), actions, b["action_mask"]
 
 

@@ -14,8 +14,8 @@ the prefix's key/value cache, so the prefix is computed once per observation.
 The top-level keys are openpi's (``PaliGemma``, ``action_in_proj``, ...); the RL
 additions — the value head, the ``flow_noise`` std head and, with a steered
 sampler ('latent', 'residual'), the steering head (:func:`steer`) and its pixel state
-estimator (:func:`estimate_state`), and SFT's perception head (:func:`perceive`) — live
-under ``rl/`` and are not part of an openpi checkpoint. Variants: ``tiny`` (CPU tests),
+estimator (:func:`estimate_state`) — live under ``rl/`` and are not part of an openpi
+checkpoint. Variants: ``tiny`` (CPU tests),
 ``small``, ``full`` (Gemma 2B + Gemma 300M + So400m/14, openpi's sizes).
 """
 
@@ -54,10 +54,6 @@ ESTIMATOR_HIDDEN = 256
 # Floor of a critic-state dim's spread in the estimator's loss (:func:`state_estimate_loss`),
 # in the state's units (1 mm, 1 mrad): a constant dim's target stays near 0.
 ESTIMATE_STD_FLOOR = 1e-3
-# The perception head (:func:`perceive`): each image token's decoder output to
-# PERCEPTION_CHANNELS features, all of a camera's tokens side by side into one dense layer
-# to the critic state's size (where in the image a feature is stays readable).
-PERCEPTION_CHANNELS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +93,6 @@ class Pi0Config:
   # Size of the privileged critic state the value head also reads (the env's
   # ``critic_state_dim``; 0: none). The policy's actions never read it.
   critic_state_dim: int = 0
-  # SFT also regresses the critic state off the VLM's image tokens (:func:`perceive`),
-  # its loss weighted by this (0: no perception head).
-  perception_coef: float = 0.0
 
   @classmethod
   def from_config(cls, model: ml_collections.ConfigDict, *, image_size: int, num_cameras: int,
@@ -134,11 +127,6 @@ class Pi0Config:
       raise ValueError("config.model.steer_state_estimator needs a steered train_sampler "
                        f"({sorted(denoise.STEERED)}, got {model.train_sampler!r}) and a critic "
                        f"state to regress on (config.env.critic_state_dim, got {critic_state_dim})")
-    perception = float(model.get("perception_coef", 0.0))
-    if perception < 0 or (perception and not critic_state_dim):
-      raise ValueError(f"config.model.perception_coef={perception} needs to be >= 0 and, above "
-                       "0, a critic state to regress on (config.env.critic_state_dim, got "
-                       f"{critic_state_dim})")
     vocab = model.vocab_size or vocab_size
     if vocab < vocab_size:
       raise ValueError(f"config.model.vocab_size={vocab} is smaller than the tokenizer's "
@@ -156,7 +144,7 @@ class Pi0Config:
                steer_std_init=model.steer_std_init, steer_std_min=model.steer_std_min,
                steer_image_channels=model.steer_image_channels,
                steer_state_estimator=estimator, value_detach=model.value_detach,
-               critic_state_dim=critic_state_dim, perception_coef=perception)
+               critic_state_dim=critic_state_dim)
 
   @property
   def compute_dtype(self):
@@ -205,11 +193,6 @@ def build(cfg: Pi0Config, rngs: nnx.Rngs) -> layers.Node:
                                     kernel_init=layers.zeros)
     log_std = lambda key, shape, dtype: jnp.full(shape, math.log(cfg.steer_std_init), dtype)
     rl["steer_log_std"] = layers.param(rngs, log_std, (cfg.chunk_len, a), (None, "action"))
-  if cfg.perception_coef:
-    rl["perception"] = layers.Node(
-        token=layers.dense(rngs, cfg.llm.width, PERCEPTION_CHANNELS, ("embed", None)),
-        out=layers.dense(rngs, cfg.num_cameras * tokens_per_image(cfg) * PERCEPTION_CHANNELS,
-                         cfg.critic_state_dim, (None, None)))
   children["rl"] = layers.Node(**rl)
   return layers.Node(**children)
 
@@ -462,26 +445,6 @@ def state_estimate_loss(estimate: jax.Array, critic_state: jax.Array) -> jax.Arr
   mean, std = target.mean(0), target.std(0)
   z = jax.lax.stop_gradient((target - mean) / jnp.maximum(std, ESTIMATE_STD_FLOOR))
   return jnp.mean(jnp.square(estimate.astype(jnp.float32) - z), axis=-1)
-
-
-def perceive(cfg: Pi0Config, p: dict, prefix: Prefix) -> jax.Array:
-  """The perception head's reading of the critic state off the VLM's image tokens ``[B, C]``.
-
-  Each image token's decoder output (the prefix's first ``N * P`` positions) goes to
-  :data:`PERCEPTION_CHANNELS` features (ReLU), the tokens side by side into one dense
-  layer. SFT trains it with :func:`state_estimate_loss` against the demonstrations'
-  critic state (``perception_coef``), and its gradient reaches the ViT and the decoder:
-  the tokens the action expert attends to must then hold where the objects are, which
-  the flow's loss alone teaches slowly from pixels (from 150 camera demonstrations the
-  cube's y is read off them with R^2 0.7 at best, docs/results/maniskill.md). Deployed,
-  the policy still needs its cameras and proprioception alone; nothing reads the output
-  but the loss. A masked camera's tokens read as 0.
-  """
-  q = p["rl"]["perception"]
-  n = cfg.num_cameras * tokens_per_image(cfg)
-  tokens = prefix.hidden[:, :n].astype(jnp.float32)
-  h = jax.nn.relu(layers.apply_dense(q["token"], tokens)) * prefix.mask[:, :n, None]
-  return layers.apply_dense(q["out"], h.reshape(h.shape[0], -1))
 
 
 def steer(cfg: Pi0Config, p: dict, feats: jax.Array, state: jax.Array,

@@ -260,9 +260,7 @@ class FlowPolicy(layers.TreeOwner):
 
     ``mask`` ``[B, H]`` (bool, default all True): the mean runs over the real actions
     only (a chunk window past an episode's end is padded in the data). The padded
-    actions still enter the action expert as noisy inputs, as in openpi. With
-    ``model.perception_coef`` the loss adds that weight times the perception head's
-    regression of ``batch["critic_state"]`` (``pi0.perceive``).
+    actions still enter the action expert as noisy inputs, as in openpi.
     """
     prefix = self._prefix(params, batch)
     pad = self.net.action_dim - actions.shape[-1]
@@ -275,15 +273,9 @@ class FlowPolicy(layers.TreeOwner):
     v, _ = pi0.velocity(self.net, params, prefix, batch["state"], x_t, t)
     err = jnp.square(v - (noise - actions)) * self._dim_mask()
     if mask is None:
-      loss = err.sum() / (err.shape[0] * err.shape[1] * self.action_dim)
-    else:
-      mask = mask.astype(err.dtype)
-      loss = (err * mask[..., None]).sum() / (jnp.maximum(mask.sum(), 1.0) * self.action_dim)
-    if self.net.perception_coef:
-      # (The data's critic state: bc_batches puts it in, warm_start checks the dataset has it.)
-      loss = loss + self.net.perception_coef * jnp.mean(pi0.state_estimate_loss(
-          pi0.perceive(self.net, params, prefix), batch["critic_state"]))
-    return loss
+      return err.sum() / (err.shape[0] * err.shape[1] * self.action_dim)
+    mask = mask.astype(err.dtype)
+    return (err * mask[..., None]).sum() / (jnp.maximum(mask.sum(), 1.0) * self.action_dim)
 
 
 # config.model.name -> the family's constructor ``(model config, EnvSpec) -> Policy``.
