@@ -699,8 +699,11 @@ def test_demonstrations_are_episodes_rl_and_evaluation_do_not_play(tmp_path):
     return {bytes(img[0]) for img in builtin.make(c.env, 4, seed).reset(seed).images}
 
   assert first_images(demonstrators.demo_seed(c.seed)) <= demo  # (each env's first episode)
-  for seed in (distributed.host_seed(c.seed), c.seed + success.EVAL_SEED_OFFSET):
+  for seed in (distributed.host_seed(c.seed), c.seed + success.EVAL_SEED_OFFSET,
+               demonstrators.demo_seed(c.seed + 1)):  # (the next run seed's demonstrations)
     assert not first_images(seed) & demo, seed
+  # A run seed's attempts (episode seeds demo_seed + k) never reach the next seed's.
+  assert demonstrators.demo_seed(c.seed + 1) - demonstrators.demo_seed(c.seed) >= 10_000
 
 
 # ------------------------------------------------------- normalisation in a run --

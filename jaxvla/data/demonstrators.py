@@ -153,11 +153,16 @@ def _episode(steps: list[tuple], terminated: bool, success: bool) -> Episode:
 # moved on (pi0-FAST, docs/results/default_run.md), which read as RL making the policy worse.
 # 500,000 is far from both: a run's RL episodes would need that many episodes per host to reach it.
 DEMO_SEED_OFFSET = 500_000
+# Run seeds' demonstrations lie this far apart. At seed + offset, the episodes of attempt k
+# (seed + offset + k) made seeds 0, 1 and 2 record 148 of their 150 ManiSkill3
+# demonstrations alike, so a spread over seeds left out the demonstrations' own. Disjoint
+# for up to 10,000 attempts per run; below host 1's RL seeds (1,000,003 on) for seeds 0-49.
+DEMO_SEED_STRIDE = 10_000
 
 
 def demo_seed(seed: int) -> int:
-  """The seed demonstrations are recorded with for the run seed ``seed``."""
-  return seed + DEMO_SEED_OFFSET
+  """The first episode seed demonstrations are recorded with for the run seed ``seed``."""
+  return DEMO_SEED_OFFSET + DEMO_SEED_STRIDE * seed
 
 
 def expert_demonstrator(config: ml_collections.ConfigDict, num_envs: int, *,
