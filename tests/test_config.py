@@ -249,6 +249,10 @@ def test_pixel_recipes_hold_no_object_pose_in_their_state():
   with pytest.raises(ValueError, match="config.env.task: 'PushBlock-v9' is not one of"):
     config_checks.validate(c)
   assert maniskill.get_config("vision_rl_short,pirl_noise").model.train_sampler == "flow_noise"
+  # The short pixel recipe steers the flow's noise (DSRL) unless a method is named.
+  for arg, sampler in (("vision_rl_short", "latent"), ("vision_rl_short,residual", "residual")):
+    c = maniskill.get_config(arg)
+    assert (c.model.train_sampler, c.model.steer_state_estimator) == (sampler, True), arg
 
 
 def test_pixel_state_takes_named_fields_pads_missing_goals_and_refuses_others():
