@@ -249,8 +249,8 @@ def test_pixel_recipes_hold_no_object_pose_in_their_state():
   with pytest.raises(ValueError, match="config.env.task: 'PushBlock-v9' is not one of"):
     config_checks.validate(c)
   assert maniskill.get_config("vision_rl_short,pirl_noise").model.train_sampler == "flow_noise"
-  # The short pixel recipe steers the flow's noise (DSRL) unless a method is named.
-  for arg, sampler in (("vision_rl_short", "latent"), ("vision_rl_short,residual", "residual")):
+  # The short pixel recipe's steering heads read the pixel state estimator.
+  for arg, sampler in (("vision_rl_short", "residual"), ("vision_rl_short,latent", "latent")):
     c = maniskill.get_config(arg)
     assert (c.model.train_sampler, c.model.steer_state_estimator) == (sampler, True), arg
 
