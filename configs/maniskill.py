@@ -51,9 +51,6 @@ The RL method of ``sft_rl`` / ``sft_rl_short`` and the vision variants (``VARIAN
               normalisation), then PPO on the whole model over the emitted tokens. From
               20 demonstrations it memorises them: 0.04 success, 96% of its greedy
               chunks malformed on new cube positions (docs/results/maniskill.md).
-  awr         advantage-weighted regression of the whole flow (vision tower included) on
-              its own flow-SDE samples: the warm start's flow-matching loss, each chunk
-              weighted by exp(A) of the critic's advantage (capped at 20); no ratio.
 
 Pick the task with ``--config.env.task=StackCube-v1`` (tasks with a planner solution:
 PickCube, PushCube, StackCube, PullCube, LiftPegUpright, PlaceSphere, PegInsertionSide).
@@ -75,7 +72,7 @@ MULTITASK = "PushCube-v1,PickCube-v1,StackCube-v1"
 # Its state, laid out alike for every task (goal_pos and is_grasped zero where a task
 # has none): ManiSkill's rgb-mode fields, never an object's pose.
 MULTITASK_STATE = "qpos,qvel,tcp_pose,is_grasped,goal_pos"
-METHODS = ("residual", "latent", "flow_sde", "pirl_sde", "pirl_noise", "grpo", "fast", "awr")
+METHODS = ("residual", "latent", "flow_sde", "pirl_sde", "pirl_noise", "grpo", "fast")
 # The methods whose policy is another model: same demonstrations and budget, their own SFT.
 OWN_SFT = ("fast",)
 
@@ -259,15 +256,6 @@ def _set_method(c: ml_collections.ConfigDict, method: str) -> None:
   if method == "flow_sde":
     m.train_sampler = "flow_sde"
     rl.learning_rate = 1e-5  # (KL 0.014 per update at 1e-5; docs/results/maniskill.md)
-    return
-  if method == "awr":
-    # Advantage-weighted regression of the whole flow on its own flow-SDE samples
-    # (jaxvla/algorithms/awr.py): the warm start's loss, weighted by the critic's advantages.
-    c.algorithm = "awr"
-    m.train_sampler = "flow_sde"
-    rl.correction = "none"  # (no ratio to correct)
-    m.value_detach = True  # The critic's loss stays out of the flow's features.
-    rl.learning_rate = 1e-4
     return
   # piRL's recipe (RLinf's maniskill_ppo_openpi*.yaml and openpi_action_model.py): the
   # executed dims' token-level ratios, a critic on detached features with a 20x larger

@@ -179,16 +179,10 @@ def get_config() -> ml_collections.ConfigDict:
   # The RL objective. Both are clipped policy-gradient updates with the settings in
   # ``rl`` (clip, epochs, minibatches, corrections, and PPO's critic); GRPO's own are in
   # ``grpo``.
-  # 'ppo' (GAE, value head), 'grpo' (group-normalised episode returns) or 'awr'
-  # (advantage-weighted regression of a flow policy on its own chunks, PPO's critic).
-  c.algorithm = "ppo"
+  c.algorithm = "ppo"  # 'ppo' (GAE, value head) or 'grpo' (group-normalised episode returns).
   c.grpo = ml_collections.ConfigDict()
   c.grpo.loss_normalizer = "trajectory"  # 'chunks', 'trajectory' (1/|tau|) or 'constant' (1/K).
   c.grpo.scale = True  # Divide by the group's return std (False: Dr. GRPO).
-  c.awr = ml_collections.ConfigDict()
-  c.awr.weighting = "exp"  # 'exp' (AWR: exp(A / beta), capped) or 'binary' (CRR: 1[A > 0]).
-  c.awr.beta = 1.0  # Temperature over the (minibatch-normalised) advantages.
-  c.awr.max_weight = 20.0  # Cap on an 'exp' weight (AWR's).
 
   # The RL update's settings, PPO's and GRPO's (the gamma, GAE and value_* keys are PPO's
   # critic; GRPO has none). Formerly ``ppo.*`` (:data:`MOVED_KEYS`).

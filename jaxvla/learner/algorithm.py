@@ -30,7 +30,7 @@ from typing import Callable
 import ml_collections
 
 from jaxvla import errors
-from jaxvla.algorithms import awr, grpo
+from jaxvla.algorithms import grpo
 from jaxvla.envs import protocol
 from jaxvla.learner import objectives
 from jaxvla.models import contract
@@ -153,42 +153,8 @@ GRPO = Algorithm(name="grpo", objective=_grpo_objective, builder=_grpo_builder,
                                 "optimizer steps are not known in advance")
 
 
-# ------------------------------------------------------------------------- AWR --
-def _awr_objective(policy: contract.Policy, config: Config) -> objectives.Objective:
-  return objectives.AWRObjective(policy, config.rl, config.awr)
-
-
-# The flow policies' families: AWR regresses with their flow-matching loss.
-AWR_MODELS = ("pi0", "pi05")
-
-
-def _check_awr(config: Config) -> None:
-  _check_ppo(config)
-  awr.check(config.awr.weighting, config.awr.beta, config.awr.max_weight)
-  m, rl = config.model, config.rl
-  _require(m.name in AWR_MODELS, "model.name",
-           f"AWR regresses with a flow policy's flow-matching loss: one of {AWR_MODELS}, "
-           f"got {m.name!r}")
-  _require(m.train_sampler in ("flow_sde", "flow_noise"), "model.train_sampler",
-           "AWR trains the flow on its own samples: 'flow_sde' or 'flow_noise' (a steered "
-           f"sampler freezes the flow), got {m.train_sampler!r}")
-  _require(rl.correction == "none", "rl.correction",
-           "AWR's loss has no ratio to correct: set it to 'none' (the decoupled correction "
-           "would score every update's rows under the proximal policy for nothing)")
-  _require(rl.value_targets == "rollout", "rl.value_targets",
-           "AWR weights the rows by the rollout's advantages: leave it 'rollout'")
-  _require(not rl.target_kl, "rl.target_kl",
-           "AWR does not measure a KL per step (it needs no log-probability): set it to 0")
-  _require(not rl.kl_detail_rows, "rl.kl_detail_rows",
-           "scores the sampler's log-probs, which AWR does not use (set it to 0)")
-
-
-AWR = Algorithm(name="awr", objective=_awr_objective, builder=_ppo_builder,
-                optimizer_steps=ppo_optimizer_steps, check=_check_awr)
-
-
 # -------------------------------------------------------------------- registry --
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (PPO, GRPO, AWR)}
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (PPO, GRPO)}
 
 
 def get(name: str) -> Algorithm:

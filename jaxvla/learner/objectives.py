@@ -12,9 +12,6 @@ minibatches, KL early stop and the decoupled proximal step for either.
   bootstrapped from their final values) -> ``N = T * B`` chunk rows; minibatch
   weights ``1 / n`` (a mean); the clipped PPO loss with a value term; advantages
   normalised per minibatch (``rl.advantage_norm``).
-* :class:`AWRObjective`: PPO's rows (GAE from the same critic) -> advantage-weighted
-  regression of a flow policy on its own executed chunks (:mod:`jaxvla.algorithms.awr`):
-  a weighted flow-matching loss with the value term, no ratio and no clip.
 * :class:`GRPOObjective`: an ``EpisodeBatch [K, E]`` -> ``E`` episode rows of
   ``K`` padded chunks; per-chunk weights from ``grpo.loss_normalizer``
   (:func:`jaxvla.algorithms.grpo.chunk_weights`); the same loss without a value
@@ -42,7 +39,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxvla import types
-from jaxvla.algorithms import awr, gae, grpo, ppo
+from jaxvla.algorithms import gae, grpo, ppo
 from jaxvla.models import contract
 
 
@@ -220,58 +217,6 @@ class PPOObjective:
       metrics[name + "_stale"] = mean_over(x, stale)
     metrics["stale_frac"] = jnp.mean(stale.astype(jnp.float32))
     return metrics
-
-
-# AWR's flow-matching draws: one key per row, from this base and the update's version.
-_AWR_KEY = 0x5A17
-
-
-class AWRObjective(PPOObjective):
-  """Advantage-weighted regression of a flow policy on its own chunks (AWR, or CRR's
-  binary filter; :mod:`jaxvla.algorithms.awr`), on PPO's chunk rows.
-
-  The policy term is the flow-matching error of each row's executed chunk (the BC loss
-  of the warm start) weighted by :func:`jaxvla.algorithms.awr.weights` of its advantage,
-  normalised per minibatch as PPO's are (``rl.advantage_norm``); the value term is PPO's.
-  No log-probability enters the loss, so there is no ratio, clip or off-policy
-  correction: a stale row is regressed on like a fresh one, its advantage from the
-  rollout's critic. ``approx_kl`` is not measured (``rl.target_kl`` is refused).
-
-  Args:
-    policy: a flow policy (``imitation``: :meth:`jaxvla.models.policy.FlowPolicy.imitation`).
-    cfg: the ``rl`` sub-config.
-    awr_cfg: the ``awr`` sub-config (weighting, beta, max_weight).
-  """
-
-  def __init__(self, policy: contract.Policy, cfg: ml_collections.ConfigDict,
-               awr_cfg: ml_collections.ConfigDict):
-    super().__init__(policy, cfg)
-    awr.check(awr_cfg.weighting, awr_cfg.beta, awr_cfg.max_weight)
-    self.awr_cfg = awr_cfg
-
-  def rows(self, traj: types.Trajectory) -> dict:
-    """PPO's rows plus ``key`` ``[N, 2]``: each row's flow-matching draw (time and noise),
-    new with every policy version."""
-    rows = super().rows(traj)
-    base = jax.random.fold_in(jax.random.PRNGKey(_AWR_KEY), jnp.max(traj.policy_version))
-    return dict(rows, key=jax.random.split(base, rows["adv"].shape[0]))
-
-  def loss(self, params: contract.Params, rows: dict, weights: jax.Array
-           ) -> tuple[jax.Array, dict]:
-    # One draw per minibatch from its first row's key (rows are shuffled every epoch).
-    error, value = self.policy.imitation(params, rows["batch"], rows["chain"], rows["key"][0])
-    a = rows["adv"]
-    if self.cfg.advantage_norm == "minibatch":
-      a = (a - a.mean()) / (a.std() + 1e-8)
-    c = self.awr_cfg
-    w = awr.weights(a, weighting=c.weighting, beta=c.beta, max_weight=c.max_weight)
-    policy_loss = jnp.sum(weights * w * error)
-    value_loss = jnp.sum(weights * ppo.value_errors(
-        value, rows["returns"], rows["value"], value_loss=self.cfg.value_loss,
-        huber_delta=self.cfg.huber_delta, value_clip=self.cfg.value_clip))
-    loss = policy_loss + self.cfg.value_coef * value_loss
-    return loss, dict(loss=loss, policy_loss=policy_loss, value_loss=value_loss,
-                      bc_error=jnp.sum(weights * error), awr_weight=jnp.sum(weights * w))
 
 
 def _with_state_estimate(loss: jax.Array, metrics: dict, ev: contract.Evaluation,

@@ -262,16 +262,7 @@ class FlowPolicy(layers.TreeOwner):
     only (a chunk window past an episode's end is padded in the data). The padded
     actions still enter the action expert as noisy inputs, as in openpi.
     """
-    err = self._flow_errors(params, self._prefix(params, batch), batch["state"], actions, rng)
-    if mask is None:
-      return err.sum() / (err.shape[0] * err.shape[1] * self.action_dim)
-    mask = mask.astype(err.dtype)
-    return (err * mask[..., None]).sum() / (jnp.maximum(mask.sum(), 1.0) * self.action_dim)
-
-  def _flow_errors(self, params: Params, prefix: pi0.Prefix, state: jax.Array,
-                   actions: jax.Array, rng: jax.Array) -> jax.Array:
-    """The flow-matching loss's squared errors ``[B, H, A_net]`` (0 on padded dims) for
-    chunks ``actions`` ``[B, H, A_env]``: one random time and noise per chunk."""
+    prefix = self._prefix(params, batch)
     pad = self.net.action_dim - actions.shape[-1]
     actions = jnp.pad(actions, ((0, 0), (0, 0), (0, pad)))
     noise_key, time_key = jax.random.split(rng)
@@ -279,27 +270,12 @@ class FlowPolicy(layers.TreeOwner):
     # pi0's time distribution: Beta(1.5, 1) skewed towards noisy times.
     t = jax.random.beta(time_key, 1.5, 1.0, (actions.shape[0],)) * 0.999 + 0.001
     x_t = t[:, None, None] * noise + (1.0 - t[:, None, None]) * actions
-    v, _ = pi0.velocity(self.net, params, prefix, state, x_t, t)
-    return jnp.square(v - (noise - actions)) * self._dim_mask()
-
-  def executed(self, chain: jax.Array) -> jax.Array:
-    """The chunk each stored chain ``[B, K + 1 (+ 1), H, A_net]`` executed ``[B, H, A_env]``
-    (what :meth:`act` returned as ``actions``)."""
-    return chain[:, self.num_steps + int(self.steer == "residual"), :, :self.action_dim]
-
-  def imitation(self, params: Params, batch: dict, chain: jax.Array,
-                rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Advantage-weighted regression's terms for stored chains, from one prefix pass
-    (:class:`jaxvla.learner.objectives.AWRObjective`).
-
-    Returns:
-      ``(error [B], value [B])``: the flow-matching error of each chain's executed chunk
-      (:meth:`bc_loss`'s term, the mean over its actions and executed dims) and the value.
-    """
-    prefix = self._prefix(params, batch)
-    err = self._flow_errors(params, prefix, batch["state"], self.executed(chain), rng)
-    value = pi0.value(self.net, params, prefix, batch["state"], batch.get("critic_state"))
-    return err.sum((1, 2)) / (err.shape[1] * self.action_dim), value
+    v, _ = pi0.velocity(self.net, params, prefix, batch["state"], x_t, t)
+    err = jnp.square(v - (noise - actions)) * self._dim_mask()
+    if mask is None:
+      return err.sum() / (err.shape[0] * err.shape[1] * self.action_dim)
+    mask = mask.astype(err.dtype)
+    return (err * mask[..., None]).sum() / (jnp.maximum(mask.sum(), 1.0) * self.action_dim)
 
 
 # config.model.name -> the family's constructor ``(model config, EnvSpec) -> Policy``.
