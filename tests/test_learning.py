@@ -9,6 +9,9 @@
 * On the real ManiSkill3 simulator: SFT -> residual PPO over the frozen flow
   (``configs/maniskill.py:sft_rl_short`` at 320k env steps), from the motion planner's
   demonstrations on.
+* The same from the camera (``configs/maniskill.py:vision_rl_short``): the planner's
+  demonstrations with their images, SFT of the pi0 with its vision tower, then PPO on the
+  latent-noise head, the policy reading pixels and proprioception only.
 """
 
 import os
@@ -27,7 +30,9 @@ from jaxvla.storage import checkpoint as checkpoint_lib
 pytestmark = pytest.mark.learning
 
 
-@pytest.mark.run_first(1)  # (second: conftest deals the ranks out over the workers)
+@pytest.mark.run_first(3)  # (after the planner's check: conftest deals the ranks out over
+# the workers, so on 2 the pixel run and the planner's check share one, this and the
+# state run the other)
 # About 7.5 minutes beside the other learning tests on an AVX-512 CPU; alone 441 s
 # on an AVX2-only one against 257 (docs/results/testing.md), so about 13 minutes beside
 # the others there, near the suite's 15-minute hang guard: a guard of its own.
@@ -75,7 +80,7 @@ def test_async_learning_matches_sync(tmp_path):
   assert r["staleness_mean"] > 3.5, r["staleness_mean"]  # (3.88 measured; bound 4)
 
 
-@pytest.mark.run_first(0)  # (the longest: first)
+@pytest.mark.run_first(1)  # (the second longest)
 # About 16 minutes beside the parity run on the 2-core AVX2 CPU, more in a slow hour:
 # a guard of its own.
 @pytest.mark.timeout(3600)
@@ -117,3 +122,47 @@ def test_sft_then_rl_raises_maniskill_success(tmp_path):
   moved = ["/".join(k) for k, a in sft.items() if not np.array_equal(a, after[k])]
   assert moved and all(p.startswith("rl/") for p in moved), moved
   assert any(p.startswith("rl/steer_") for p in moved), moved
+
+
+@pytest.mark.run_first(0)  # (the longest: first)
+# About 25 minutes alone on the 2-core AVX2 CPU, 62 beside another such run: a guard of
+# its own.
+@pytest.mark.timeout(5400)
+def test_vision_rl_keeps_or_raises_maniskill_success_from_pixels(tmp_path):
+  """ManiSkill3 PushCube-v1 from its 64 px camera, the recipe's whole command
+  (``configs/maniskill.py:vision_rl_short``): 150 planner demonstrations with their
+  images, SFT of the tiny pi0 with its vision tower, then 300k env steps of PPO on the
+  latent head (DSRL: it draws the frozen flow's initial noise) with the KL stop. The
+  policy's observation holds no object pose; only the critic reads the simulation state.
+  Evaluated on the same 100 fixed-seed episodes before (the flow from zero noise) and
+  after RL (the head's mean noise).
+
+  The margin, -0.05: over seeds 0 to 4 the recipe gained +0.19, 0.00, +0.08, +0.22 and
+  +0.19, mean 0.14 and std 0.09 (docs/results/maniskill.md, "The latent head with a KL
+  stop"), so mean - 2 std is -0.05. The test cannot hold the issue's +0.15 at every seed
+  (seed 1 gains nothing); what it catches is RL that lowers the pixel policy: the same
+  head without the KL stop fell 0.12 at seed 2, and a learner that climbs the wrong way
+  falls further. It also checks that only the head and the critic moved, and that the
+  SFT policy is the clearly imperfect one the seeds started from (0.34 to 0.41).
+  """
+  from configs import maniskill  # pylint: disable=import-outside-toplevel
+  c = maniskill.get_config("vision_rl_short")
+  assert c.env.obs_mode == "rgb" and c.model.train_sampler == "latent"
+  c.log.progress = False
+  workdir = str(tmp_path / "run")
+  r = train.train_and_evaluate(c, workdir)
+  print({k: r[k] for k in ("warm_start_success_rate", "success_rate", "env_steps", "wall_s",
+                           "rl_env_steps_per_s")})
+  warm = r["warm_start_success_rate"]
+  assert 0.25 <= warm <= 0.6, f"the SFT policy should be clearly imperfect, not {warm}"
+  assert r["env_steps"] >= c.total_env_steps and r["env_steps_unaccounted"] == 0
+  assert r["success_rate"] >= warm - 0.05, (
+      f"RL lowered pixel success from {warm:.2f} to {r['success_rate']:.2f}")
+  # The flow and its vision tower stay as SFT left them; the latent head (rl/steer_*)
+  # moved.
+  _, sft, _ = checkpoint_lib.load_checkpoint_params(os.path.join(workdir, "checkpoints"), 0)
+  after, _ = checkpoint_lib.load_policy_params(r["export_dir"])
+  sft, after = traverse_util.flatten_dict(sft), traverse_util.flatten_dict(after)
+  moved = ["/".join(k) for k, a in sft.items() if not np.array_equal(a, after[k])]
+  assert moved and all(p.startswith("rl/") for p in moved), moved
+  assert any(p.startswith("rl/steer_mean") for p in moved), moved
