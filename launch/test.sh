@@ -12,7 +12,7 @@
 #   (e) learning   pytest -m learning -n WORKERS
 #                  the long learning runs (ManiSkill3 SFT -> residual RL from state and
 #                  SFT -> latent-head RL from the camera, async parity, the planner's
-#                  measured check), about 40 minutes alone on 2 cores.
+#                  measured check), about 36 minutes alone on 2 cores.
 #                  Run it before calling done a change to models/, learner/, algorithms/, rollout/,
 #                  runtime/ or a recipe config (docs/guides/contributing.md).
 # Steps (a), (c), (d) and (e) run their tests in parallel processes (pytest-xdist), one per

