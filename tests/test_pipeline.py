@@ -17,6 +17,7 @@ from configs import default
 from jaxvla import train, types
 from jaxvla.envs import builtin, make_vec_env, protocol
 from jaxvla.learner import learner as learner_lib
+from jaxvla.learner import objectives as objectives_lib
 from jaxvla.learner import optimizers as optimizers_lib
 from jaxvla.models import fast_tokenizer as fast_lib
 from jaxvla.models import policy as policy_lib
@@ -409,6 +410,16 @@ def test_streamed_update_equals_the_non_streamed_one(monkeypatch, value_targets)
   # The second minibatch stepped from other params than the proximal ones: its ratio
   # moved, so the clip had something to act on (a check of the check).
   assert metrics[1]["approx_kl"] > 0 and metrics[0]["approx_kl"] == 0
+  # The whole update in one call logs the whole batch's spreads, not the mean of its
+  # micro-batches' (one env's segment each, whose own explained variance differs).
+  _, streamed = lrn.streamed_update(jax.device_put(state0), iter(items), len(items))
+  spread_close = functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-5)
+  for k in ("explained_variance", "advantage_std"):
+    spread_close(streamed[k], ref_metrics[k], err_msg=k)
+  assert not [k for k in (*streamed, *ref_metrics) if k.startswith("moment/")]
+  # (The mean of the two minibatches' own explained variances is another figure.)
+  halves = np.mean([objectives_lib.spreads(m)["explained_variance"] for m in metrics])
+  assert abs(halves - ref_metrics["explained_variance"]) > 1e-3, halves
 
 
 def test_streamed_proximal_snapshot_keeps_the_rollout_dtype():

@@ -55,6 +55,7 @@ from flax import struct
 from jaxvla import types
 from jaxvla.algorithms import ppo
 from jaxvla.learner import algorithm as algorithm_lib
+from jaxvla.learner import objectives as objectives_lib
 from jaxvla.learner import optimizers as optimizers_lib
 from jaxvla.learner import trainable as trainable_lib
 from jaxvla.learner import update as update_lib
@@ -413,8 +414,9 @@ class Learner:
     ``busy()`` wraps the learner's compute (not the waits for items), for the caller's
     stage clock.
 
-    Returns ``(state, metrics)``: the metrics averaged over the minibatches,
-    ``nonfinite`` any minibatch's.
+    Returns ``(state, metrics)``: the metrics averaged over the minibatches (the
+    spreads those of the whole update, ``objectives.spreads``), ``nonfinite`` any
+    minibatch's.
     """
     version = int(state.step)
     num_minibatches = self.ppo_config.num_minibatches
@@ -435,4 +437,4 @@ class Learner:
               sums[k] = float(int(sums[k]) | int(v))
             else:
               sums[k] += float(v) / num_minibatches
-    return state, dict(sums)
+    return state, {k: float(v) for k, v in objectives_lib.spreads(sums).items()}

@@ -21,6 +21,13 @@ Streamed micro-batches weight their rows *globally* (``streamed_weights`` with
 the optimizer update's row count), so their gradients and metrics add up to
 those of the whole minibatch.
 
+Spreads (``advantage_std``, ``explained_variance``) are not means, so
+``batch_metrics`` gives their rows' first and second moments (``moment/*``), which
+add up over micro-batches like means do, and :func:`spreads` turns a whole update's
+moments into them: a streamed update logs the whole batch's spread, not the mean of
+its micro-batches' (of 20 rows each, whose explained variance read -1.5 where the
+batch's was about 0.5).
+
 Staleness diagnostics (:meth:`PPOObjective.batch_metrics`, whenever the update
 evaluated its rows under the params it started from, the *proximal* policy): the
 behaviour -> proximal KL, how far the critic moved since the rollout
@@ -90,7 +97,8 @@ class Objective(Protocol):
     """The weighted loss (a sum over rows) and its metrics (weighted sums too)."""
 
   def batch_metrics(self, data, rows: dict) -> dict:
-    """Scalars describing the whole batch (means over its rows)."""
+    """Scalars describing the whole batch: means over its rows, spreads as the moments
+    :func:`spreads` reads."""
 
 
 class PPOObjective:
@@ -187,16 +195,13 @@ class PPOObjective:
     return loss, dict(metrics, loss=loss)
 
   def batch_metrics(self, traj: types.Trajectory, rows: dict) -> dict:
-    """Value and advantage scale; with a proximal pass, the staleness diagnostics
-    (module docstring): per-row means over all rows, the fresh ones (the learner's
-    current version) and the stale ones, 0 for a subset with no rows."""
-    # explained_variance: the share of the returns' variance that the rollout's values
-    # account for (1: a perfect critic, 0 or less: no better than a constant), the
-    # usual health sign of a critic; tests/test_learner_check.py holds a floor on it.
+    """Value scale, the moments of the advantages, returns and value residuals
+    (:func:`spreads`); with a proximal pass, the staleness diagnostics (module
+    docstring): per-row means over all rows, the fresh ones (the learner's current
+    version) and the stale ones, 0 for a subset with no rows."""
     returns, value = rows["returns"], rows["value"]
-    metrics = dict(value_mean=jnp.mean(traj.value), advantage_std=jnp.std(rows["adv"]),
-                   explained_variance=1.0 - jnp.var(returns - value)
-                   / jnp.maximum(jnp.var(returns), 1e-8))
+    metrics = dict(value_mean=jnp.mean(traj.value),
+                   **_moments(adv=rows["adv"], returns=returns, residual=returns - value))
     if "proximal_value" not in rows:
       return metrics
     s = _log_prob_scale(self.policy, self.cfg)
@@ -217,6 +222,30 @@ class PPOObjective:
       metrics[name + "_stale"] = mean_over(x, stale)
     metrics["stale_frac"] = jnp.mean(stale.astype(jnp.float32))
     return metrics
+
+
+def _moments(**xs: jax.Array) -> dict[str, jax.Array]:
+  """``moment/<name>`` and ``moment/<name>_sq``: the row means of each x and x**2."""
+  out = {}
+  for name, x in xs.items():
+    x = x.astype(jnp.float32)
+    out[f"moment/{name}"], out[f"moment/{name}_sq"] = jnp.mean(x), jnp.mean(jnp.square(x))
+  return out
+
+
+def spreads(metrics: dict) -> dict:
+  """``metrics`` with its ``moment/*`` (the whole update's, :func:`_moments`) replaced by
+  ``advantage_std`` and, where the returns' are there, ``explained_variance``: the share
+  of the returns' variance that the rollout's values account for (1: a perfect critic,
+  0 or less: no better than a constant), the usual health sign of a critic
+  (tests/test_learner_check.py holds a floor on it)."""
+  m = {k: v for k, v in metrics.items() if not k.startswith("moment/")}
+  var = lambda name: jnp.maximum(metrics[f"moment/{name}_sq"] - metrics[f"moment/{name}"] ** 2, 0.0)
+  if "moment/adv" in metrics:
+    m["advantage_std"] = jnp.sqrt(var("adv"))
+  if "moment/returns" in metrics:
+    m["explained_variance"] = 1.0 - var("residual") / jnp.maximum(var("returns"), 1e-8)
+  return m
 
 
 def _with_state_estimate(loss: jax.Array, metrics: dict, ev: contract.Evaluation,
@@ -306,8 +335,9 @@ class GRPOObjective:
     return loss, dict(metrics, loss=loss)
 
   def batch_metrics(self, eb: types.EpisodeBatch, rows: dict) -> dict:
-    """Advantage spread, mean return and mean played chunks per episode."""
-    return dict(advantage_std=jnp.std(eb.advantage),
+    """The advantages' moments (:func:`spreads`), mean return and mean played chunks
+    per episode."""
+    return dict(**_moments(adv=eb.advantage),
                 episode_return_mean=jnp.mean(eb.episode_return),
                 episode_length_mean=jnp.mean(jnp.sum(eb.mask, axis=0).astype(jnp.float32)))
 

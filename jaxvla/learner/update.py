@@ -42,7 +42,7 @@ import optax
 from flax import traverse_util
 
 from jaxvla.algorithms import ppo
-from jaxvla.learner.objectives import Objective
+from jaxvla.learner.objectives import Objective, spreads
 from jaxvla.learner.trainable import ALL, Trainable
 
 
@@ -202,7 +202,8 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
       jax.random.split(rng, cfg.num_epochs))
   code = jax.lax.reduce(metrics.pop("nonfinite").ravel(), 0, jax.lax.bitwise_or, (0,))
   code = code | params_code(sub)
-  metrics = dict(jax.tree.map(jnp.mean, metrics), **objective.batch_metrics(data, rows),
+  metrics = dict(spreads(dict(jax.tree.map(jnp.mean, metrics),
+                              **objective.batch_metrics(data, rows))),
                  nonfinite=code.astype(jnp.float32))
   new_params = trainable.merge(params, sub)
   if cfg.get("kl_detail_rows", 0):
@@ -227,8 +228,8 @@ def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, da
 
   Gradients and metrics are weighted sums with global weights, so the
   micro-batches' add up to the whole minibatch's; ``objective.batch_metrics``
-  are weighted by this micro-batch's share of the rows (means add up; a std is
-  the row-weighted mean of the micro-batches' stds). With learner-side value
+  are weighted by this micro-batch's share of the rows (means add up, and so do
+  the ``moment/*`` that ``objectives.spreads`` turns into the update's spreads). With learner-side value
   targets (``cfg.value_targets``), the micro-batch is first evaluated under
   ``params`` (its whole trajectory: GAE runs along its time axis).
 
