@@ -27,10 +27,11 @@ Variants:
           pose, PickCube's goal and grasp flag): never the cube's pose, which the policy
           must find in the image (a config check refuses a state that holds it). The
           critic alone also reads the simulation state, z-scored by the demonstrations'
-          statistics. ``vision_rl_short``: 150 demonstrations, 300k RL env steps, and RL
-          by the ``latent`` head (DSRL, below) with PPO's KL early stop at 0.01
-          (``vision_rl_short,residual`` for the residual head); either head reads the
-          pixel state estimator (``model.steer_state_estimator``).
+          statistics. RL by the ``latent`` head (DSRL, below) with PPO's KL early stop at
+          0.01 (``vision_rl_short,residual`` for the residual head); either head reads
+          the pixel state estimator (``model.steer_state_estimator``).
+          ``vision_rl_short``: 150 demonstrations, 300k RL env steps; ``vision_rl``
+          (PickCube): 300 demonstrations, 1M RL env steps.
   vision_multitask  PushCube-v1, PickCube-v1 and StackCube-v1 in one env pool and one
           policy: the same robot and camera, one state layout (a missing goal padded
           with zeros); only the instruction and the pixels tell the tasks apart.
@@ -73,6 +74,9 @@ MULTITASK = "PushCube-v1,PickCube-v1,StackCube-v1"
 # Its state, laid out alike for every task (goal_pos and is_grasped zero where a task
 # has none): ManiSkill's rgb-mode fields, never an object's pose.
 MULTITASK_STATE = "qpos,qvel,tcp_pose,is_grasped,goal_pos"
+# The camera recipes whose RL steers the frozen flow (the latent head by default), with
+# the pixel state estimator and PPO's KL stop.
+STEERED_VISION = ("vision_rl", "vision_rl_short")
 METHODS = ("residual", "latent", "flow_sde", "pirl_sde", "pirl_noise", "grpo", "fast")
 # The methods whose policy is another model: same demonstrations and budget, their own SFT.
 OWN_SFT = ("fast",)
@@ -189,15 +193,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.every_iters = 1000
   if vision:
     _set_vision(c, vision)
-  if vision == "vision_rl_short" and not method:
+  if vision in STEERED_VISION and not method:
     # DSRL from pixels: the head draws the frozen flow's initial noise, so it explores on
-    # the flow's own actions (a residual Gaussian cost the pixel policy a third of its
-    # training success, and it gained 0.00 +- 0.04 over 3 seeds; docs/results/maniskill.md,
-    # "From pixels").
+    # the flow's own actions (on PushCube a residual Gaussian cost the pixel policy a third
+    # of its training success, and it gained 0.00 +- 0.04 over 3 seeds;
+    # docs/results/maniskill.md, "From pixels").
     method = "latent"
   if method:
     _set_method(c, method)
-  if vision == "vision_rl_short" and method in ("latent", "residual"):
+  if vision in STEERED_VISION and method in ("latent", "residual"):
     # The steering head also reads the critic state as its own network estimates it from
     # the camera (R^2 0.97 / 0.95 for the cube's x / y on held-out episodes, where the
     # head's pooled features give 0.24 / -0.14; docs/results/maniskill.md).
@@ -237,6 +241,14 @@ def _set_vision(c: ml_collections.ConfigDict, vision: str) -> None:
     c.env.state_keys = MULTITASK_STATE
     c.env.robot = "panda"  # One robot and camera for all three (StackCube's own adds a wrist one).
     c.bc.num_episodes = 180  # The tasks take turns: 60 each (PushCube's SFT from 60: 0.28).
+  if vision == "vision_rl":
+    # PickCube from pixels. From 100 state demonstrations SFT reached 0.22, and from pixels
+    # PushCube needed 150 where its state SFT took 20; 300 take about 12 minutes on 2 cores.
+    c.bc.num_episodes = 300
+    # 1M RL env steps (the state recipe's PickCube gain came by 800k) keep the whole run
+    # near an hour alone on 2 cores; an evaluation every 160k.
+    c.total_env_steps = 1_000_000
+    c.eval.every_iters = 200
   if vision == "vision_rl_short":
     # From pixels 20 demonstrations gave 0.08 SFT success, 60 gave 0.28, 150 0.36-0.41
     # (state: 0.43 from 20). 150 take about 200 s to record on 2 cores.

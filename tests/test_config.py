@@ -249,10 +249,11 @@ def test_pixel_recipes_hold_no_object_pose_in_their_state():
   with pytest.raises(ValueError, match="config.env.task: 'PushBlock-v9' is not one of"):
     config_checks.validate(c)
   assert maniskill.get_config("vision_rl_short,pirl_noise").model.train_sampler == "flow_noise"
-  # The short pixel recipe steers the flow's noise (DSRL, KL early stop) unless a method is
-  # named; its steering heads read the pixel state estimator.
+  # The pixel recipes steer the flow's noise (DSRL, KL early stop) unless a method is
+  # named; their steering heads read the pixel state estimator.
   for arg, sampler, kl in (("vision_rl_short", "latent", 0.01),
-                           ("vision_rl_short,residual", "residual", 0.0)):
+                           ("vision_rl_short,residual", "residual", 0.0),
+                           ("vision_rl", "latent", 0.01), ("vision_rl,residual", "residual", 0.0)):
     c = maniskill.get_config(arg)
     assert (c.model.train_sampler, c.model.steer_state_estimator, c.rl.target_kl) == (
         sampler, True, kl), arg
