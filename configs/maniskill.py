@@ -243,7 +243,9 @@ def _set_vision(c: ml_collections.ConfigDict, vision: str) -> None:
     c.bc.num_episodes = 180  # The tasks take turns: 60 each (PushCube's SFT from 60: 0.28).
   if vision == "vision_rl":
     # PickCube from pixels. From 100 state demonstrations SFT reached 0.22, and from pixels
-    # PushCube needed 150 where its state SFT took 20; 300 take about 12 minutes on 2 cores.
+    # PushCube needed 150 where its state SFT took 20; 300 take about 4 minutes on 2 cores.
+    # From them the tiny pi0 on its 64 px camera succeeds in none of 100 episodes
+    # (docs/results/maniskill.md, "PickCube from pixels").
     c.bc.num_episodes = 300
     # 1M RL env steps (the state recipe's PickCube gain came by 800k) keep the whole run
     # near an hour alone on 2 cores; an evaluation every 160k.
