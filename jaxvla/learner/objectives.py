@@ -25,8 +25,8 @@ Spreads (``advantage_std``, ``explained_variance``) are not means, so
 ``batch_metrics`` gives their rows' first and second moments (``moment/*``), which
 add up over micro-batches like means do, and :func:`spreads` turns a whole update's
 moments into them: a streamed update logs the whole batch's spread, not the mean of
-its micro-batches' (of 20 rows each, whose explained variance read -1.5 where the
-batch's was about 0.5).
+its micro-batches' (of 20 rows each in full async from pixels, whose mean explained
+variance read -0.5 to -1.5 where the sync runs' batches read about 0.5).
 
 Staleness diagnostics (:meth:`PPOObjective.batch_metrics`, whenever the update
 evaluated its rows under the params it started from, the *proximal* policy): the

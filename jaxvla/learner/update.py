@@ -229,9 +229,9 @@ def micro_grads(objective: Objective, cfg: ml_collections.ConfigDict, params, da
   Gradients and metrics are weighted sums with global weights, so the
   micro-batches' add up to the whole minibatch's; ``objective.batch_metrics``
   are weighted by this micro-batch's share of the rows (means add up, and so do
-  the ``moment/*`` that ``objectives.spreads`` turns into the update's spreads). With learner-side value
-  targets (``cfg.value_targets``), the micro-batch is first evaluated under
-  ``params`` (its whole trajectory: GAE runs along its time axis).
+  the ``moment/*`` that ``objectives.spreads`` turns into the update's spreads).
+  With learner-side value targets (``cfg.value_targets``), the micro-batch is first
+  evaluated under ``params`` (its whole trajectory: GAE runs along its time axis).
 
   ``proximal_params``: the params the update started from, once an earlier minibatch
   of the update has stepped (:func:`uses_proximal_snapshot`): the micro-batch is then
