@@ -62,11 +62,13 @@ class ScriptedFn:
   hang_after: int = 0  # Hang on the first step after this many.
   fail_ids: tuple = ()
   fail_build: bool = False
+  build_sleep_s: float = 0.0  # Each env's construction takes this long.
   num_envs: int = 4  # Of the pool: places env first_env_id in its group.
 
   def __call__(self, first_env_id, count, seed):
     if self.fail_build:
       raise OSError(f"no simulator assets for env {first_env_id}")
+    time.sleep(self.build_sleep_s)
     env = pool_lib.config_env_fn(CFG, self.num_envs)(first_env_id, count, seed)
     return _ScriptedEnv(env, first_env_id, self)
 
@@ -359,6 +361,14 @@ def test_simulator_exception_surfaces_with_env_id_task_and_traceback():
     assert pool.stats.sim_errors == 1
   with pytest.raises(RuntimeError, match=r"(?s)env id\(s\) \[0, 1\].*no simulator assets"):
     make_pool(env_fn=ScriptedFn(fail_build=True))
+
+
+def test_a_worker_slower_to_build_than_its_start_timeout_is_an_error_naming_it():
+  # The default grows with the envs a worker builds (ManiSkill3's ~1-3 s each): the
+  # evaluation pool's 50 per worker get minutes where 8 get under two.
+  assert pool_lib.start_timeout(50) >= 300 > pool_lib.start_timeout(8) >= 90
+  with pytest.raises(RuntimeError, match="worker 0 did not answer start within 3.0 s"):
+    make_pool(env_fn=ScriptedFn(build_sleep_s=5.0), start_timeout_s=3.0)
 
 
 def test_bad_actions_and_ids_raise_value_error():

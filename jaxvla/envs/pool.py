@@ -76,6 +76,17 @@ log = logging.getLogger(__name__)
 RestartListener = Callable[[int, str, list[int], list[int]], None]
 
 
+def start_timeout(envs_per_worker: int) -> float:
+  """Seconds a worker may take to build ``envs_per_worker`` envs before it counts as lost.
+
+  Building grows with the count: a ManiSkill3 env takes about 1 s alone on a 2-core
+  machine and 3 s with two other runs on the cores, so the evaluation pool's 50 envs per
+  worker (100 episodes on 2 workers) overran a flat 120 s there. 60 s for the process
+  and its imports, 6 s per env.
+  """
+  return 60.0 + 6.0 * envs_per_worker
+
+
 def _check_pool_args(num_envs: int, envs_per_worker: int, start_method: str,
                      step_timeout_s: float) -> None:
   if num_envs < 1 or envs_per_worker < 1 or num_envs % envs_per_worker:
@@ -104,20 +115,23 @@ class EnvPool:
     step_timeout_s: a chunk (or reset) taking longer is a hung worker: restart.
     start_method: 'spawn' or 'forkserver' (never fork: the parent runs JAX threads).
     seed: seed of the envs' construction (episodes come from ``reset(seed)``).
-    start_timeout_s: time allowed for a worker to build its envs.
+    start_timeout_s: time allowed for a worker to build its envs (None: 60 s plus 6 s
+      per env, :func:`start_timeout`).
     hang_floor_s: the least time a chunk may take before it is a hang, once the
       env's chunk times are known (see :meth:`hang_timeout_s`).
   """
 
   def __init__(self, env_fn: EnvFn, num_envs: int, envs_per_worker: int,
                spec: protocol.EnvSpec, *, step_timeout_s: float,
-               start_method: str = "spawn", seed: int = 0, start_timeout_s: float = 120.0,
+               start_method: str = "spawn", seed: int = 0, start_timeout_s: float | None = None,
                hang_floor_s: float = 10.0):
     _check_pool_args(num_envs, envs_per_worker, start_method, step_timeout_s)
     self.spec, self.num_envs = spec, num_envs
     self.stats = PoolStats()
     self._env_fn, self._seed = for_pool(env_fn, num_envs), seed
-    self._step_timeout_s, self._start_timeout_s = step_timeout_s, start_timeout_s
+    self._step_timeout_s = step_timeout_s
+    self._start_timeout_s = (start_timeout(envs_per_worker) if start_timeout_s is None
+                             else start_timeout_s)
     self._hang_floor_s = hang_floor_s
     self._ctx = mp.get_context(start_method)
     self._obs_layout, self._shms = worker.SharedObs.create(
