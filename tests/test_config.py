@@ -257,6 +257,10 @@ def test_pixel_recipes_hold_no_object_pose_in_their_state():
     c = maniskill.get_config(arg)
     assert (c.model.train_sampler, c.model.steer_state_estimator, c.rl.target_kl) == (
         sampler, True, kl), arg
+  # PickCube from pixels sees through the wrist camera too (the fixed one shows the cube
+  # as 2 x 2 pixels); PushCube's fixed camera alone.
+  assert maniskill.get_config("vision_rl").env.robot == "panda_wristcam"
+  assert maniskill.get_config("vision_rl_short").env.robot == ""
 
 
 def test_pixel_state_takes_named_fields_pads_missing_goals_and_refuses_others():
