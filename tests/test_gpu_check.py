@@ -75,3 +75,12 @@ def test_pipeline_flags_end_the_pipeline_command():
   assert tuple(pipeline[-2:]) == extra and "--modes=sync_colocated,+streamer" in pipeline
   assert all(a not in extra for name, cmds in commands.items() if name != "pipeline"
              for cmd in cmds for a in cmd)
+
+
+def test_the_device_is_named_by_a_step_of_several_commands():
+  # A window runs memory (three commands: a list of results), pipeline and trace only,
+  # so the report's device must come from the memory step's list (2026-12-04: it was null).
+  memory = [None, {"rows": [{"device": "NVIDIA H200"}]}, {"device": "other"}]
+  assert gpu_check._device_of(memory) == "NVIDIA H200"
+  assert gpu_check._device_of([None, {"rows": []}]) is None
+  assert gpu_check._device_of({"device": "NVIDIA H100"}) == "NVIDIA H100"

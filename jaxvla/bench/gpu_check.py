@@ -271,6 +271,10 @@ def _write_json(path: str, report: dict) -> None:
 
 
 def _device_of(result) -> str | None:
+  """The device a step's result names: a command's JSON, or the first of several that
+  names one (the memory step runs three commands)."""
+  if isinstance(result, list):
+    return next((d for d in map(_device_of, result) if d), None)
   if isinstance(result, dict):
     if result.get("device"):
       return result["device"]
