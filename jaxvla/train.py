@@ -158,8 +158,9 @@ def _build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     closing.callback(env.close)
     writer = metrics_lib.MetricWriter(workdir, enabled=distributed.is_primary())
     closing.callback(writer.close)
-    checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                               config.checkpoint.max_to_keep)
+    checkpointer = checkpoint_lib.Checkpointer(
+        os.path.join(workdir, "checkpoints"), config.checkpoint.max_to_keep,
+        keep_steps=(0,) if config.checkpoint.keep_warm_start else ())
     closing.callback(checkpointer.close)
     # Evaluation and demonstrations play independent episodes (no GRPO groups).
     eval_env = _eval_env(config) if distributed.is_primary() else None

@@ -65,6 +65,21 @@ def test_save_restore_equality(tmp_path, trained):
   _tree_equal(restored, state)
 
 
+def test_the_warm_start_outlives_max_to_keep(tmp_path, trained):
+  # checkpoint.keep_warm_start: step 0 (the SFT policy of an SFT -> RL run) stays beside
+  # the newest max_to_keep, so the policy before RL can be evaluated after the run.
+  _, (state, _) = trained
+  for keep, kept in (((0,), [0, 20, 30]), ((), [20, 30])):
+    ckpt = checkpoint_lib.Checkpointer(str(tmp_path / f"keep{len(keep)}"), max_to_keep=2,
+                                       keep_steps=keep)
+    for step in (0, 10, 20, 30):
+      ckpt.save(step, state, {"iteration": step})
+    ckpt.close()
+    assert sorted(ckpt.manager.all_steps()) == kept
+  with pytest.raises(ValueError, match="config.checkpoint.max_to_keep: must be >= 1, got 0"):
+    checkpoint_lib.Checkpointer(str(tmp_path / "none"), max_to_keep=0)
+
+
 def test_export_loads_without_optimizer(tmp_path, smoke_config, trained):
   pol, (state, _) = trained
   checkpoint_lib.export_policy(str(tmp_path / "export"), state.params,

@@ -235,6 +235,7 @@ def test_pixel_recipes_hold_no_object_pose_in_their_state():
   multi = maniskill.get_config("vision_multitask")
   assert multi.env.task == "PushCube-v1,PickCube-v1,StackCube-v1"
   assert multi.env.state_keys == "qpos,qvel,tcp_pose,is_grasped,goal_pos"
+  assert multi.env.robot == "panda_wristcam"  # one robot and its two cameras for every task
   for leak in ("obj_pose", "tcp_to_obj_pos", "obj_to_goal_pos", "cubeA_pose"):
     c = maniskill.get_config("vision_rl_short")
     c.env.state_keys = f"qpos,qvel,{leak}"

@@ -164,11 +164,20 @@ class Checkpointer:
   the free space and the intact steps), with the partial step directory removed.
   """
 
-  def __init__(self, directory: str, max_to_keep: int):
+  def __init__(self, directory: str, max_to_keep: int, keep_steps: tuple[int, ...] = ()):
+    """``max_to_keep``: the newest steps kept on disk; ``keep_steps`` are kept besides
+    them whatever their age (the run's warm start, step 0: ``checkpoint.keep_warm_start``)."""
+    if max_to_keep < 1:
+      raise ValueError(f"config.checkpoint.max_to_keep: must be >= 1, got {max_to_keep}")
     self.directory = os.path.abspath(directory)
+    policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
+    if keep_steps:
+      policies.append(ocp.checkpoint_managers.CustomSteps(steps=list(keep_steps)))
     self.manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        options=ocp.CheckpointManagerOptions(
+            create=True, preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(
+                policies)),
         # Handlers named up front, so a fresh manager can read a step's metadata.
         item_handlers=dict(state=ocp.StandardCheckpointHandler(),
                            meta=ocp.JsonCheckpointHandler()))
