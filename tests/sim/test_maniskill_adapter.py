@@ -210,13 +210,15 @@ def test_lowpoly_urdfs_decimate_every_visual_mesh():
 
 def test_several_tasks_share_one_pool_told_apart_by_instruction():
   """configs/maniskill.py:vision_multitask's env: envs take the tasks in turn, each with its
-  instruction; one camera and one state layout (ManiSkill's rgb fields, a missing goal
-  zero-padded), and no object pose anywhere in the state."""
+  instruction; the same two cameras (the fixed one and the Panda's wrist camera) and one
+  state layout (ManiSkill's rgb fields, a missing goal zero-padded), and no object pose
+  anywhere in the state."""
   c = maniskill_config.get_config("vision_multitask")
   env = make_vec_env(c.env, 3, seed=0, num_workers=1, step_timeout_s=120)
   try:
     obs = env.reset(0)
-    assert env.spec.camera_names == ("base_camera",) and obs.images.shape == (3, 1, 64, 64, 3)
+    assert env.spec.camera_names == ("base_camera", "hand_camera")
+    assert obs.images.shape == (3, 2, 64, 64, 3)
     assert obs.instruction.tolist() == [maniskill_env.INSTRUCTIONS[t] for t in
                                         ("PushCube-v1", "PickCube-v1", "StackCube-v1")]
     assert env.spec.state_dim == 9 + 9 + 7 + 1 + 3  # qpos, qvel, tcp_pose, is_grasped, goal_pos
