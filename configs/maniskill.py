@@ -71,7 +71,7 @@ VARIANTS = ("", "state", "sft_rl", "sft_rl_short", "flow_rl", "flow_rl_short", "
 FLOW_RL = {"flow_rl": ("sft_rl", "pirl_noise"), "flow_rl_short": ("sft_rl_short", "pirl_noise")}
 # The camera recipes: the state recipe each one changes.
 VISION = {"vision_rl": "sft_rl", "vision_rl_short": "sft_rl_short", "vision_multitask": "sft_rl"}
-# vision_multitask's tasks: one robot and camera, told apart by the instruction and pixels.
+# vision_multitask's tasks: one robot and its cameras, told apart by the instruction and pixels.
 MULTITASK = "PushCube-v1,PickCube-v1,StackCube-v1"
 # Its state, laid out alike for every task (goal_pos and is_grasped zero where a task
 # has none): ManiSkill's rgb-mode fields, never an object's pose.
