@@ -75,6 +75,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
            "eval.env_workers", f"must be >= 0 and divide eval.num_episodes="
            f"{c.eval.num_episodes}, got {c.eval.env_workers}")
   _require(c.checkpoint.every_iters >= 1, "checkpoint.every_iters", "must be >= 1")
+  _require(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep",
+           f"must be >= 1, got {c.checkpoint.max_to_keep}")
   _require(not (c.model.name == "pi0" and c.model.value_source == "prefix"
                 and c.env.get("obs_mode") == "state"), "model.value_source",
            "'prefix' cannot see the state of a state-only env: pi0 reads the state in its "

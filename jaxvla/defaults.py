@@ -272,7 +272,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_iters = 10  # Save the train state every N RL iterations (and at the end).
   c.checkpoint.max_to_keep = 2  # The newest checkpoints kept on disk.
-  # Keep checkpoint 0, the warm start (e.g. the SFT policy), besides them: evaluating the
+  # Keep checkpoint 0, the warm start (e.g. the SFT policy), beside them: evaluating the
   # policy before and after RL on the same episodes (jaxvla.eval --step=0) needs it.
   # One train state more on disk (about 36 GiB for full pi0 with Adam's moments).
   c.checkpoint.keep_warm_start = True

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from jaxvla import config_checks
 from jaxvla import metrics as metrics_lib
 from jaxvla import train
 from jaxvla.data import norm_stats
@@ -76,8 +77,10 @@ def test_the_warm_start_outlives_max_to_keep(tmp_path, trained):
       ckpt.save(step, state, {"iteration": step})
     ckpt.close()
     assert sorted(ckpt.manager.all_steps()) == kept
+  c = default.get_config()
+  c.checkpoint.max_to_keep = 0  # (checked with the whole config, before any work starts)
   with pytest.raises(ValueError, match="config.checkpoint.max_to_keep: must be >= 1, got 0"):
-    checkpoint_lib.Checkpointer(str(tmp_path / "none"), max_to_keep=0)
+    config_checks.validate(c)
 
 
 def test_export_loads_without_optimizer(tmp_path, smoke_config, trained):

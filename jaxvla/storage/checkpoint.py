@@ -165,10 +165,9 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, max_to_keep: int, keep_steps: tuple[int, ...] = ()):
-    """``max_to_keep``: the newest steps kept on disk; ``keep_steps`` are kept besides
-    them whatever their age (the run's warm start, step 0: ``checkpoint.keep_warm_start``)."""
-    if max_to_keep < 1:
-      raise ValueError(f"config.checkpoint.max_to_keep: must be >= 1, got {max_to_keep}")
+    """``max_to_keep`` (>= 1, :func:`jaxvla.config_checks.validate`'s rule): the newest steps
+    kept on disk; ``keep_steps`` are kept beside them whatever their age (the run's warm
+    start, step 0: ``checkpoint.keep_warm_start``)."""
     self.directory = os.path.abspath(directory)
     policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
     if keep_steps:
