@@ -139,9 +139,10 @@ if [[ $only == all || $only == sim ]]; then
     --dist worksteal "${pytest_args[@]}"
 fi
 # Only when asked for: the long learning runs keep XLA's default flags (they execute for
-# minutes; unoptimised code runs them 1.6 times slower).
+# minutes; unoptimised code runs them 1.6 times slower). -rP prints what each passed run
+# printed (its SFT and final success, env steps, wall time): the figures, not only a pass.
 if [[ $only == learning ]]; then
-  run_step learning -m learning -n "$workers" --dist worksteal "${pytest_args[@]}"
+  run_step learning -m learning -n "$workers" --dist worksteal -rP "${pytest_args[@]}"
 fi
 
 if ((${#failed[@]})); then
