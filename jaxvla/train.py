@@ -232,18 +232,32 @@ def _evaluate(config, s: Setup, normalizer: norm_lib.Normalizer | None, params, 
   return distributed.broadcast_from_primary(result)
 
 
-def _changed_keys(config, written: dict | None) -> str:
-  """`` (config.model.X: 'a' -> 'b', ...)`` against the config a checkpoint's run wrote:
-  the model's keys and the RL update's (both shape the checkpoint's train state)."""
-  if not written:
-    return ""
+# What acts only while a fresh run builds its first parameters: the model's init (openpi's
+# weights, the steering head's initial std) and the warm start (its demonstrations and BC).
+# A resume restores its checkpoint's parameters and normalisation instead, so a change to
+# one of these would do nothing: it is refused (a section's name covers all its keys).
+FRESH_ONLY = ("bc", "data", "model.init_checkpoint", "model.steer_std_init")
+
+
+def _differences(config, written: dict, names) -> list[str]:
+  """``config.X.k: 'a' -> 'b'`` for each key of ``names`` (sections, or ``section.key``)
+  whose value differs from the config a workdir's run wrote (compared as JSON)."""
   changed = []
-  for section in ("model", "rl"):
+  for name in names:
+    section, _, key = name.partition(".")
     if section not in written:
       continue
     now = json.loads(config[section].to_json_best_effort())
-    changed += [f"config.{section}.{k}: {written[section].get(k)!r} -> {v!r}"
-                for k, v in sorted(now.items()) if written[section].get(k) != v]
+    keys = [key] if key else sorted(now)
+    changed += [f"config.{section}.{k}: {written[section].get(k)!r} -> {now[k]!r}"
+                for k in keys if written[section].get(k) != now[k]]
+  return changed
+
+
+def _changed_keys(config, written: dict | None) -> str:
+  """`` (config.model.X: 'a' -> 'b', ...)`` against the config a checkpoint's run wrote:
+  the model's keys and the RL update's (both shape the checkpoint's train state)."""
+  changed = _differences(config, written, ("model", "rl")) if written else []
   return f" (changed since that run: {', '.join(changed)})" if changed else ""
 
 
@@ -338,6 +352,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   Raises:
     workdir_lib.WorkdirInUse: another live run holds ``workdir``.
+    ValueError: a resume changes a key that acts only in a fresh run (:data:`FRESH_ONLY`).
   """
   config_checks.validate(config)
   t_start = time.perf_counter()
@@ -409,6 +424,12 @@ def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str
   if config.resume and os.path.exists(config_path):
     with open(config_path, encoding="utf-8") as f:
       written = json.load(f)
+    fresh_only = _differences(config, written, FRESH_ONLY)
+    if fresh_only:
+      raise ValueError(
+          f"--config.resume=True: {', '.join(fresh_only)} acts only when a fresh run builds "
+          f"its parameters (init and warm start), and a resume restores its checkpoint's; "
+          f"keep the value {config_path} holds, or start a new run in another --workdir")
   if not config.resume:  # (a resume's, once its checkpoint is known to fit)
     _write_config(config, workdir)
   return written, replay_at

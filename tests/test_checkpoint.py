@@ -141,6 +141,12 @@ def test_resume_continues_run(tmp_path):
                            r"\(changed since that run: config.model.variant: 'tiny' -> 'small'\)"):
     train.train_and_evaluate(smoke_config, workdir)
   smoke_config.model.variant = "tiny"
+  # A key that acts only in a fresh run (its init, its warm start) is refused, not ignored.
+  smoke_config.bc.num_steps += 1
+  with pytest.raises(ValueError, match=r"^--config.resume=True: config.bc.num_steps: \d+ -> "
+                                       r"\d+ acts only when a fresh run builds its parameters"):
+    train.train_and_evaluate(smoke_config, workdir)
+  smoke_config.bc.num_steps -= 1
 
   smoke_config.total_env_steps = 1200
   second = train.train_and_evaluate(smoke_config, workdir)
