@@ -241,16 +241,17 @@ FRESH_ONLY = ("bc", "data", "model.init_checkpoint", "model.steer_std_init")
 
 def _differences(config, written: dict, names) -> list[str]:
   """``config.X.k: 'a' -> 'b'`` for each key of ``names`` (sections, or ``section.key``)
-  whose value differs from the config a workdir's run wrote (compared as JSON)."""
+  whose value differs from the config a workdir's run wrote (compared as JSON). A key
+  either side lacks (one added or retired since that run) is not a change."""
   changed = []
   for name in names:
     section, _, key = name.partition(".")
-    if section not in written:
+    if section not in written or section not in config:
       continue
-    now = json.loads(config[section].to_json_best_effort())
+    now, then = json.loads(config[section].to_json_best_effort()), written[section]
     keys = [key] if key else sorted(now)
-    changed += [f"config.{section}.{k}: {written[section].get(k)!r} -> {now[k]!r}"
-                for k in keys if written[section].get(k) != now[k]]
+    changed += [f"config.{section}.{k}: {then[k]!r} -> {now[k]!r}"
+                for k in keys if k in now and k in then and then[k] != now[k]]
   return changed
 
 
