@@ -246,12 +246,9 @@ def _differences(config, written: dict, names) -> list[str]:
   changed = []
   for name in names:
     section, _, key = name.partition(".")
-    if section not in written or section not in config:
-      continue
-    now, then = json.loads(config[section].to_json_best_effort()), written[section]
-    keys = [key] if key else sorted(now)
+    now, then = json.loads(config[section].to_json_best_effort()), written.get(section, {})
     changed += [f"config.{section}.{k}: {then[k]!r} -> {now[k]!r}"
-                for k in keys if k in now and k in then and then[k] != now[k]]
+                for k in ([key] if key else sorted(now)) if k in then and then[k] != now[k]]
   return changed
 
 
