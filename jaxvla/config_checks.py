@@ -171,6 +171,12 @@ def _validate_pipeline(c: ml_collections.ConfigDict) -> None:
            f"must be >= 0 (0: rl.learning_rate), got {c.rl.value_learning_rate}")
   _require(c.rl.critic_warmup_steps >= 0, "rl.critic_warmup_steps",
            f"must be >= 0, got {c.rl.critic_warmup_steps}")
+  _require(c.rl.target_kl_stops in ("update", "actor"), "rl.target_kl_stops",
+           f"must be 'update' or 'actor', got {c.rl.target_kl_stops!r}")
+  _require(c.rl.target_kl_stops == "update" or c.rl.value_learning_rate > 0
+           or c.rl.critic_warmup_steps > 0, "rl.target_kl_stops",
+           "'actor' keeps the critic's steps after the KL stop, which needs the critic's own "
+           "Adam: set rl.value_learning_rate (or rl.critic_warmup_steps)")
   _require(0.0 <= c.rl.adam_b1 < 1.0, "rl.adam_b1", f"must be in [0, 1), got {c.rl.adam_b1}")
   _require(c.rl.value_targets in ("rollout", "learner", "vtrace"), "rl.value_targets",
            f"must be 'rollout', 'learner' or 'vtrace', got {c.rl.value_targets!r}")

@@ -221,6 +221,10 @@ def get_config() -> ml_collections.ConfigDict:
   # finite is not applied (counted, logged).
   c.rl.max_bad_updates = 3  # This many non-finite updates in a row stop the run.
   c.rl.target_kl = 0.0  # Skip the rest of an update once approx. KL exceeds this (0: off).
+  # What the KL stop ends: the rest of the update ("update"), or only the actor's steps
+  # ("actor": the critic and the state estimator keep their steps; needs their own Adam,
+  # rl.value_learning_rate or rl.critic_warmup_steps).
+  c.rl.target_kl_stops = "update"
   c.rl.advantage_norm = "minibatch"  # Advantage normalisation: 'minibatch' stats or 'none'.
   # 'decoupled' (the default) is plain PPO on fresh data (behaviour = proximal policy) at
   # the cost of one forward pass per update, and corrects stale (async) or bf16-rollout

@@ -128,6 +128,8 @@ def test_locked_config_rejects_new_fields():
     ("rl.value_clip", -0.2, "config.rl.value_clip"),
     ("rl.value_learning_rate", -1e-4, "config.rl.value_learning_rate"),
     ("rl.critic_warmup_steps", -1, "config.rl.critic_warmup_steps"),
+    ("rl.target_kl_stops", "critic", "config.rl.target_kl_stops"),
+    ("rl.target_kl_stops", "actor", "config.rl.target_kl_stops.*critic's own Adam"),
     ("rl.lr_schedule", "cosine", "config.rl.lr_schedule"),
     ("pipeline.min_bucket", 0, "config.pipeline.min_bucket"),
     ("pipeline.min_bucket", 99, "config.pipeline.min_bucket"),

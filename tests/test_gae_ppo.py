@@ -535,6 +535,66 @@ def test_fresh_data_skips_the_proximal_pass_and_is_the_same_update():
   assert "kl_behaviour_proximal" in ref_metrics and "kl_behaviour_proximal" not in metrics
 
 
+class _SplitTableCritic(_TableCritic):
+  """:class:`_TableCritic` with its tables where the optimizer's labels put them: the
+  log-probs under the actor (``rl/steer_lp``), the values under the critic (``rl/value_v``)."""
+
+  def evaluate(self, params, batch, chain):
+    tables = dict(lp=params["rl"]["steer_lp"], v=params["rl"]["value_v"])
+    return super().evaluate(tables, batch, chain)
+
+
+def test_kl_stop_of_the_actor_alone_lets_the_critic_step_on():
+  """``rl.target_kl_stops``: once approx. KL passes ``rl.target_kl``, 'update' skips the
+  rest of the update; 'actor' keeps the actor's params and Adam state as 'update' leaves
+  them while the critic takes every step, as with no KL stop at all."""
+  from jaxvla import types  # pylint: disable=import-outside-toplevel
+  from jaxvla.learner import optimizers  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(13)
+  t_len, b = 2, 8
+  f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  params = dict(rl=dict(steer_lp=jnp.asarray(f32(t_len * b)), value_v=jnp.asarray(f32(t_len * b))))
+  zeros = np.zeros((t_len, b), bool)
+  traj = jax.tree.map(jnp.asarray, types.Trajectory(
+      batch=dict(i=np.arange(t_len * b).reshape(t_len, b)), chain=np.zeros((t_len, b, 1)),
+      log_prob=np.asarray(params["rl"]["steer_lp"]).reshape(t_len, b),
+      log_prob_dims=np.zeros((t_len, b, 1, 1), np.float32), value=f32(t_len, b),
+      reward=f32(t_len, b), done=zeros, terminated=zeros,
+      final_value=np.zeros((t_len, b), np.float32), steps=np.ones((t_len, b), np.int32),
+      bootstrap_value=f32(b), policy_version=np.zeros((t_len, b), np.int32)))
+  # No global-norm clip to speak of: the critic's steps must not depend on the actor's.
+  tx = optimizers.make_optimizer(0.05, 1e6, critic_learning_rate=0.1)
+
+  def run(target_kl, stops):
+    cfg = ml_collections.ConfigDict(dict(
+        algorithm="ppo", ratio="joint", gamma=0.9, gae_lambda=0.8, value_targets="rollout",
+        correction="decoupled", num_epochs=2, num_minibatches=2, clip_eps=0.2,
+        value_coef=0.5, entropy_coef=0.0, is_clip=2.0, behaviour_clip=0.0,
+        advantage_norm="minibatch", target_kl=target_kl, target_kl_stops=stops,
+        step_scale="none", **CRITIC))
+    return update_lib.epochs_update(objectives.PPOObjective(_SplitTableCritic(), cfg), tx,
+                                    cfg, params, tx.init(params), traj, jax.random.PRNGKey(0))
+
+  # A table's step moves only its minibatch's rows: the first epoch's two steps see a KL of
+  # 0, the second epoch's first one passes 1e-6 (it is applied) and the last is not.
+  (free, free_opt, free_m), (whole, whole_opt, whole_m), (actor, actor_opt, actor_m) = (
+      run(0.0, "update"), run(1e-6, "update"), run(1e-6, "actor"))
+  assert float(free_m["skipped"]) == 0
+  np.testing.assert_allclose(whole_m["skipped"], 0.25)
+  np.testing.assert_allclose(actor_m["skipped"], 0.25)  # (of the actor's steps)
+  np.testing.assert_array_equal(actor["rl"]["steer_lp"], whole["rl"]["steer_lp"])
+  assert np.abs(np.asarray(actor["rl"]["steer_lp"] - free["rl"]["steer_lp"])).max() > 1e-3
+  np.testing.assert_allclose(actor["rl"]["value_v"], free["rl"]["value_v"], rtol=1e-6)
+  assert np.abs(np.asarray(actor["rl"]["value_v"] - whole["rl"]["value_v"])).max() > 1e-3
+  critic_count = lambda s: int(s[1].inner_states["critic"].inner_state[0].count)
+  actor_count = lambda s: int(s[1].inner_states["actor"].inner_state[0].count)
+  assert (actor_count(actor_opt), critic_count(actor_opt)) == (3, 4)
+  assert (actor_count(whole_opt), critic_count(whole_opt)) == (3, 3)
+  assert (actor_count(free_opt), critic_count(free_opt)) == (4, 4)
+  jax.tree.map(np.testing.assert_array_equal, actor_opt[1].inner_states["actor"],
+               whole_opt[1].inner_states["actor"])
+
+
 def test_per_term_rows_and_their_fresh_gradient_equal_the_joint_ones(smoke_config):
   """The per-term ratios with the tiny pi0 (network actions padded past the env's):
   the rows hold the executed dims' behaviour log-probs ``[N, H * A]`` (summing to the

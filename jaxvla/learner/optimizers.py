@@ -127,10 +127,22 @@ def make_optimizer(learning_rate: float | optax.Schedule, max_grad_norm: float,
 def _actor_critic_labels(params: contract.Params) -> contract.Params:
   """``'critic'`` for the value head's and the state estimator's leaves
   (:data:`CRITIC_PREFIX`, :data:`ESTIMATOR_PREFIX`), ``'actor'`` else."""
+  return jax.tree.map(lambda c: "critic" if c else "actor", critic_leaves(params))
+
+
+def critic_leaves(tree) -> contract.Params:
+  """True for each leaf of the critic: a parameter under :data:`CRITIC_PREFIX` or
+  :data:`ESTIMATOR_PREFIX`, or a leaf of :func:`make_optimizer`'s critic Adam state
+  (``tree`` is the trained params or that optimizer's state); False for the actor's.
+
+  With ``rl.target_kl_stops='actor'`` the KL stop keeps the actor's leaves and lets
+  the critic's step on (:func:`jaxvla.learner.update.epochs_update`).
+  """
   path_of = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)
   critic = (CRITIC_PREFIX, ESTIMATOR_PREFIX)
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: "critic" if path_of(path).startswith(critic) else "actor", params)
+      lambda path, _: (path_of(path).startswith(critic)
+                       or any(getattr(k, "key", None) == "critic" for k in path)), tree)
 
 
 # The two optimizers a Learner trains with. Both call make_optimizer through this

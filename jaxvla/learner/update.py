@@ -4,7 +4,8 @@
 each shuffled with the state's key and split into ``rl.num_minibatches``
 minibatches, one optimizer step per minibatch (``lax.scan`` over epochs and
 minibatches). Once approx. KL passes ``rl.target_kl > 0`` the remaining
-minibatches are skipped. With the decoupled correction and more than one
+minibatches are skipped (``rl.target_kl_stops='update'``), or only their actor
+steps (``'actor'``: the critic's own Adam steps on). With the decoupled correction and more than one
 optimizer step, the proximal policy is the params before the update (their
 log-probs are computed once, per minibatch of rows).
 
@@ -42,6 +43,7 @@ import optax
 from flax import traverse_util
 
 from jaxvla.algorithms import ppo
+from jaxvla.learner import optimizers
 from jaxvla.learner.objectives import Objective, spreads
 from jaxvla.learner.trainable import ALL, Trainable
 
@@ -177,28 +179,40 @@ def epochs_update(objective: Objective, tx: optax.GradientTransformation,
   loss_of = lambda sub, minibatch, weights: objective.loss(trainable.merge(params, sub),
                                                            minibatch, weights)
 
+  critic_steps_on = cfg.target_kl > 0 and cfg.get("target_kl_stops", "update") == "actor"
+
   def minibatch_step(carry, minibatch):
-    sub, opt_state, stop = carry
+    sub, opt_state, stop, actor_stop = carry
     weights = objective.weights(minibatch)
     (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(
         sub, minibatch, weights)
     metrics = dict(metrics, lag=_mean_lag(weights, minibatch, version), **grad_norms(grads))
     scale = ppo.step_scale(cfg.step_scale, metrics)
     # A non-finite step is not applied, and none after it in this update is.
-    sub, opt_state, code, stop = guarded_step(tx, grads, opt_state, sub, loss,
-                                              metrics["grad_norm"], scale, stop)
-    if cfg.target_kl > 0:
-      stop = stop | (metrics["approx_kl"] > cfg.target_kl)
-    metrics = dict(metrics, skipped=stop.astype(jnp.float32), step_scale=scale, nonfinite=code)
-    return (sub, opt_state, stop), metrics
+    new_sub, new_opt_state, code, stop = guarded_step(tx, grads, opt_state, sub, loss,
+                                                      metrics["grad_norm"], scale, stop)
+    skipped = stop | actor_stop  # This step's actor part was not applied.
+    if critic_steps_on:
+      # After the KL stop the actor's params and Adam state stay; the critic's step on.
+      keep = lambda new, old: jax.tree.map(
+          lambda c, n, o: n if c else jnp.where(actor_stop, o, n),
+          optimizers.critic_leaves(new), new, old)
+      new_sub, new_opt_state = keep(new_sub, sub), keep(new_opt_state, opt_state)
+    if cfg.target_kl > 0:  # (the KL this step measured, before it moved: the later steps)
+      actor_stop = actor_stop | (metrics["approx_kl"] > cfg.target_kl)
+      if not critic_steps_on:
+        stop = stop | actor_stop
+    metrics = dict(metrics, skipped=skipped.astype(jnp.float32), step_scale=scale,
+                   nonfinite=code)
+    return (new_sub, new_opt_state, stop, actor_stop), metrics
 
   def epoch(carry, key):
     perm = jax.random.permutation(key, n)
     shuffled = jax.tree.map(lambda x: constrain(split(x[perm])), rows)
     return jax.lax.scan(minibatch_step, carry, shuffled)
 
-  (sub, opt_state, _), metrics = jax.lax.scan(
-      epoch, (trainable.select(params), opt_state, jnp.zeros((), bool)),
+  (sub, opt_state, _, _), metrics = jax.lax.scan(
+      epoch, (trainable.select(params), opt_state, jnp.zeros((), bool), jnp.zeros((), bool)),
       jax.random.split(rng, cfg.num_epochs))
   code = jax.lax.reduce(metrics.pop("nonfinite").ravel(), 0, jax.lax.bitwise_or, (0,))
   code = code | params_code(sub)
