@@ -138,11 +138,12 @@ def critic_leaves(tree) -> contract.Params:
   With ``rl.target_kl_stops='actor'`` the KL stop keeps the actor's leaves and lets
   the critic's step on (:func:`jaxvla.learner.update.epochs_update`).
   """
-  path_of = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)
+  path_of = lambda path: "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
   critic = (CRITIC_PREFIX, ESTIMATOR_PREFIX)
+  # (the critic Adam's state sits under optax.multi_transform's inner_states['critic'])
   return jax.tree_util.tree_map_with_path(
       lambda path, _: (path_of(path).startswith(critic)
-                       or any(getattr(k, "key", None) == "critic" for k in path)), tree)
+                       or "/inner_states/critic/" in f"/{path_of(path)}/"), tree)
 
 
 # The two optimizers a Learner trains with. Both call make_optimizer through this

@@ -5,9 +5,9 @@ each shuffled with the state's key and split into ``rl.num_minibatches``
 minibatches, one optimizer step per minibatch (``lax.scan`` over epochs and
 minibatches). Once approx. KL passes ``rl.target_kl > 0`` the remaining
 minibatches are skipped (``rl.target_kl_stops='update'``), or only their actor
-steps (``'actor'``: the critic's own Adam steps on). With the decoupled correction and more than one
-optimizer step, the proximal policy is the params before the update (their
-log-probs are computed once, per minibatch of rows).
+steps (``'actor'``: the critic's own Adam steps on). With the decoupled correction
+and more than one optimizer step, the proximal policy is the params before the
+update (their log-probs are computed once, per minibatch of rows).
 
 Every optimizer step is guarded: it checks its loss and gradient norm before it applies
 anything, and a non-finite step keeps the params and moments it started from, as do the
