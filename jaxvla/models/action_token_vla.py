@@ -150,27 +150,6 @@ def bin_centers(indices: jax.Array, num_bins: int) -> jax.Array:
 
 
 # ------------------------------------------------------------------ network --
-def embed_prefix(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax.Array,
-                 token_mask: jax.Array, image_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Prefix embeddings ``[B, P, D]`` and mask ``bool [B, P]`` (image tokens, then language).
-
-  As :func:`jaxvla.models.pi0.embed_prefix`. images: ``uint8 [B, N, H, W, 3]``; tokens
-  ``int32 [B, L]``; token_mask ``bool [B, L]``; image_mask ``bool [B, N]`` (a False
-  camera's tokens are left out of attention and positions, as in openpi).
-  """
-  dtype = cfg.compute_dtype
-  b, n, h, w, c = images.shape
-  x = images.reshape(b * n, h, w, c).astype(jnp.float32) / 127.5 - 1.0
-  if (h, w) != (cfg.image_size, cfg.image_size):
-    x = jax.image.resize(x, (b * n, cfg.image_size, cfg.image_size, c), "bilinear")
-  img = siglip.encode(cfg.vit, p["PaliGemma"]["img"], x, dtype=dtype, remat=cfg.remat)
-  per_image = img.shape[1]
-  img = img.reshape(b, n * per_image, img.shape[2])
-  text = gemma.embed(p["PaliGemma"]["llm"], tokens, dtype)
-  mask = jnp.concatenate([pi0.image_token_mask(image_mask, images, per_image),
-                          token_mask.astype(bool)], axis=1)
-  return jnp.concatenate([img, text], axis=1), mask
-
 
 def bin_log_probs(cfg: ActionTokenConfig, p: dict, hidden: jax.Array) -> jax.Array:
   """Next-token log-probs ``float32 [..., num_bins]`` from decoder outputs ``[..., D]``.
@@ -198,7 +177,7 @@ def encode_prefix(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: ja
                   token_mask: jax.Array,
                   image_mask: jax.Array) -> tuple[jax.Array, jax.Array, gemma.KVCache]:
   """The bidirectional prefix pass: hidden ``[B, P, D]``, mask ``[B, P]``, KV ``[L, B, P, K, H]``."""
-  x, mask = embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
+  x, mask = pi0.embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
   attn = layers.prefix_lm_mask(mask, jnp.zeros(mask.shape[1], jnp.int32))
   (hidden,), kv = gemma.forward([cfg.llm], p["PaliGemma"]["llm"], [x],
                                 positions=jnp.cumsum(mask, axis=1) - 1, mask=attn,
@@ -216,7 +195,7 @@ def decode(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: jax.Array
   out) and its key/value are written at ``P + t`` with ``dynamic_update_slice``.
 
   Args:
-    image_mask: ``bool [B, N_cam]`` (see :func:`embed_prefix`).
+    image_mask: ``bool [B, N_cam]`` (see :func:`jaxvla.models.pi0.embed_prefix`).
     greedy: argmax of each categorical, else sample it (temperature 1).
 
   Returns:
@@ -259,7 +238,7 @@ def teacher_forced(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: j
   """One uncached pass over ``[prefix, <bos>, action_tokens[:, :-1]]`` (training path).
 
   Args:
-    image_mask: ``bool [B, N_cam]`` (see :func:`embed_prefix`).
+    image_mask: ``bool [B, N_cam]`` (see :func:`jaxvla.models.pi0.embed_prefix`).
     action_tokens: ``int [B, H * A]`` bin indices (not vocabulary ids).
 
   Returns:
@@ -267,7 +246,7 @@ def teacher_forced(cfg: ActionTokenConfig, p: dict, images: jax.Array, tokens: j
     ``[B, P, D]`` and prefix mask ``[B, P]`` (the prefix never attends to the actions).
   """
   llm = p["PaliGemma"]["llm"]
-  x, mask = embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
+  x, mask = pi0.embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
   b, num_prefix = mask.shape
   n = action_tokens.shape[1]
   ids = jnp.concatenate([jnp.full((b, 1), cfg.bos_id, jnp.int32),

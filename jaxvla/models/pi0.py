@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -232,7 +233,18 @@ class Prefix:
   kv: gemma.KVCache
 
 
-def _images(cfg: Pi0Config, images: jax.Array) -> jax.Array:
+class PrefixConfig(Protocol):
+  """What :func:`embed_prefix` reads of a model's config (pi0's, pi0-FAST's, the token VLA's)."""
+
+  vit: siglip.SiglipConfig
+  image_size: int
+  remat: bool
+
+  @property
+  def compute_dtype(self) -> jnp.dtype: ...
+
+
+def _images(cfg: PrefixConfig, images: jax.Array) -> jax.Array:
   """``uint8 [B, N, H, W, 3]`` -> ``float [B * N, S, S, 3]`` in [-1, 1] at the model's size."""
   b, n, h, w, c = images.shape
   x = images.reshape(b * n, h, w, c).astype(jnp.float32) / 127.5 - 1.0
@@ -256,10 +268,13 @@ def image_token_mask(image_mask: jax.Array, images: jax.Array,
   return jnp.repeat(image_mask.astype(bool), tokens_per_image, axis=1)
 
 
-def embed_prefix(cfg: Pi0Config, p: dict, images: jax.Array, tokens: jax.Array,
+def embed_prefix(cfg: PrefixConfig, p: dict, images: jax.Array, tokens: jax.Array,
                  token_mask: jax.Array, image_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Prefix tokens ``[B, P, D0]`` and mask ``[B, P]`` (image tokens, then language).
 
+  The one prefix of every model here (pi0, pi0-FAST, the action-token VLA): images
+  ``uint8 [B, N_cam, H, W, 3]`` through the ViT at ``cfg.image_size``, then the tokens
+  ``int32 [B, L]`` (``token_mask`` ``bool [B, L]``) through the LLM's embedding.
   ``image_mask`` ``bool [B, N_cam]``: a False camera's tokens are masked out, as in openpi.
   """
   dtype = cfg.compute_dtype

@@ -135,33 +135,12 @@ def build(cfg: Pi0FastConfig, rngs: nnx.Rngs) -> layers.Node:
 
 
 # ------------------------------------------------------------------ network --
-def embed_prefix(cfg: Pi0FastConfig, p: dict, images: jax.Array, tokens: jax.Array,
-                 token_mask: jax.Array, image_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Prefix embeddings ``[B, P, D]`` and mask ``bool [B, P]`` (image tokens, then the prompt).
-
-  images ``uint8 [B, N, H, W, 3]``; tokens ``int32 [B, L]``; token_mask ``bool [B, L]``;
-  image_mask ``bool [B, N]`` (a False camera's tokens are invisible, as in
-  :func:`jaxvla.models.pi0.image_token_mask`).
-  """
-  dtype = cfg.compute_dtype
-  b, n, h, w, c = images.shape
-  x = images.reshape(b * n, h, w, c).astype(jnp.float32) / 127.5 - 1.0
-  if (h, w) != (cfg.image_size, cfg.image_size):
-    x = jax.image.resize(x, (b * n, cfg.image_size, cfg.image_size, c), "bilinear")
-  img = siglip.encode(cfg.vit, p["PaliGemma"]["img"], x, dtype=dtype, remat=cfg.remat)
-  per_image = img.shape[1]
-  img = img.reshape(b, n * per_image, img.shape[2])
-  text = gemma.embed(p["PaliGemma"]["llm"], tokens, dtype)
-  mask = jnp.concatenate([pi0.image_token_mask(image_mask, images, per_image),
-                          token_mask.astype(bool)], axis=1)
-  return jnp.concatenate([img, text], axis=1), mask
-
 
 def encode_prefix(cfg: Pi0FastConfig, p: dict, images: jax.Array, tokens: jax.Array,
                   token_mask: jax.Array,
                   image_mask: jax.Array) -> tuple[jax.Array, jax.Array, gemma.KVCache]:
   """The bidirectional prefix pass: hidden ``[B, P, D]``, mask ``[B, P]``, KV ``[L, B, P, K, H]``."""
-  x, mask = embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
+  x, mask = pi0.embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
   attn = layers.prefix_lm_mask(mask, jnp.zeros(mask.shape[1], jnp.int32))
   (hidden,), kv = gemma.forward([cfg.llm], p["PaliGemma"]["llm"], [x],
                                 positions=jnp.cumsum(mask, axis=1) - 1, mask=attn,
@@ -268,7 +247,7 @@ def postfix_pass(cfg: Pi0FastConfig, p: dict, images: jax.Array, tokens: jax.Arr
     attends to the postfix).
   """
   llm = p["PaliGemma"]["llm"]
-  x, mask = embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
+  x, mask = pi0.embed_prefix(cfg, p, images, tokens, token_mask, image_mask)
   b, num_prefix = mask.shape
   n = postfix.shape[1]
   emb = gemma.embed(llm, postfix[:, :-1].astype(jnp.int32), cfg.compute_dtype)
