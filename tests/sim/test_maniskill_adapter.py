@@ -94,7 +94,8 @@ def test_group_members_share_initial_states():
 def test_planner_demonstrations_replay_to_success(tmp_path, control_mode):
   """ManiSkill3's motion planner recorded through the collector: its labels, in the
   policy's control mode and [-1, 1] space, replayed open loop from the same seed in
-  that control mode reach the goal as the planner did (the conversion is exact)."""
+  that control mode reach the goal as the planner did (the conversion is exact), and one
+  process records what two do."""
   from jaxvla.data import collect, config as data_config, loader  # pylint: disable=import-outside-toplevel
   c = maniskill_config.get_config("sft_rl")
   c.env.control_mode = control_mode
@@ -124,6 +125,16 @@ def test_planner_demonstrations_replay_to_success(tmp_path, control_mode):
     assert success, f"seed {seed}: the replayed labels did not reach the goal"
   if control_mode != "pd_joint_delta_pos":
     return
+  # One process in turn records what two processes do: each attempt starts in a freshly
+  # built scene. (After a plain reset the second attempt observed the contacts the first
+  # one ended with, is_grasped = 1 with the gripper open, and from its grasp on the
+  # physics went otherwise.)
+  alone = str(tmp_path / "one_process")
+  collect.collect(c, alone, 2, num_envs=1, success_only=True)
+  serial = loader.open_reader(data_config.recorded(c.data, alone, ("none",))).table
+  np.testing.assert_array_equal(serial.lengths, table.lengths)
+  np.testing.assert_array_equal(serial.state, table.state)
+  np.testing.assert_array_equal(serial.actions, table.actions)
   # DART-style execution noise: the same start and first label, then states off the clean
   # path, each labelled with the clean target measured from where the arm really is.
   noisy = collect.collect(c, str(tmp_path / "noisy"), 1, noise=0.01, num_envs=1)
