@@ -182,9 +182,9 @@ def main(argv: list[str]) -> None:
     # Each attempt in a freshly built scene (about 0.2 CPU-s), as if first in its process:
     # after a plain reset PhysX still holds the episode before (its last contacts, which
     # ManiSkill's grasp tests read: PickCube's reset observed is_grasped = 1 with the
-    # gripper open after an attempt that ended holding the cube, and what its solver
-    # carries on: from the grasp on the cube moved up to 0.3 mm otherwise). The solution's
-    # own reset then starts the episode.
+    # gripper open after an attempt that ended holding the cube, and from the contact
+    # phase on, the push or the grasp, an attempt went otherwise). The solution's own
+    # reset then starts the episode.
     env.reset(seed=seed, options=dict(reconfigure=True))
     try:
       solve(env, seed=seed)
