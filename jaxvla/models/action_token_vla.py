@@ -150,7 +150,6 @@ def bin_centers(indices: jax.Array, num_bins: int) -> jax.Array:
 
 
 # ------------------------------------------------------------------ network --
-
 def bin_log_probs(cfg: ActionTokenConfig, p: dict, hidden: jax.Array) -> jax.Array:
   """Next-token log-probs ``float32 [..., num_bins]`` from decoder outputs ``[..., D]``.
 

@@ -135,7 +135,6 @@ def build(cfg: Pi0FastConfig, rngs: nnx.Rngs) -> layers.Node:
 
 
 # ------------------------------------------------------------------ network --
-
 def encode_prefix(cfg: Pi0FastConfig, p: dict, images: jax.Array, tokens: jax.Array,
                   token_mask: jax.Array,
                   image_mask: jax.Array) -> tuple[jax.Array, jax.Array, gemma.KVCache]:
