@@ -141,9 +141,11 @@ def critic_leaves(tree) -> contract.Params:
   path_of = lambda path: "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
   critic = (CRITIC_PREFIX, ESTIMATOR_PREFIX)
   # (the critic Adam's state sits under optax.multi_transform's inner_states['critic'])
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: (path_of(path).startswith(critic)
-                       or "/inner_states/critic/" in f"/{path_of(path)}/"), tree)
+  def is_critic(path) -> bool:
+    name = path_of(path)
+    return name.startswith(critic) or "/inner_states/critic/" in f"/{name}/"
+
+  return jax.tree_util.tree_map_with_path(lambda path, _: is_critic(path), tree)
 
 
 # The two optimizers a Learner trains with. Both call make_optimizer through this
