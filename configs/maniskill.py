@@ -121,6 +121,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # fields). Only rgb-mode fields (envs/maniskill.py PIXEL_STATE_FIELDS), never an object's pose.
   c.env.state_keys = ""
   c.env.robot = ""  # ManiSkill's robot_uids ('': the task's own; StackCube's has a wrist camera).
+  # rgb: the cameras the policy reads, comma-separated sensor uids ('': all of the task's
+  # and the robot's, e.g. 'base_camera,hand_camera' with panda_wristcam); the others are
+  # never rendered.
+  c.env.cameras = ""
   # rgb: the Panda drawn with decimated visual meshes ('lowpoly': 5% of the triangles, the
   # same physics, ~7x cheaper images on a CPU; envs/lowpoly.py) or ManiSkill's ('full').
   c.env.render_meshes = "lowpoly"

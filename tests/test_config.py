@@ -247,6 +247,15 @@ def test_pixel_recipes_hold_no_object_pose_in_their_state():
   c.env.state_keys = ""  # several tasks, each with ManiSkill's own (different) layout
   with pytest.raises(ValueError, match="config.env.task=.*one state layout"):
     config_checks.validate(c)
+  c = maniskill.get_config("sft_rl_short")
+  c.env.cameras = "base_camera"
+  with pytest.raises(ValueError, match="config.env.cameras='base_camera' selects cameras of "
+                                       "env.obs_mode='rgb'"):
+    config_checks.validate(c)
+  c = maniskill.get_config("vision_rl")
+  c.env.cameras = "hand_camera, hand_camera"
+  with pytest.raises(ValueError, match="config.env.cameras=.* names a camera twice"):
+    config_checks.validate(c)
   c = maniskill.get_config("vision_rl_short")
   c.env.task = "PushCube-v1,PushBlock-v9"
   with pytest.raises(ValueError, match="config.env.task: 'PushBlock-v9' is not one of"):

@@ -84,7 +84,7 @@ class PlannerDemonstrator:
                                    image_size=e.image_size,
                                    max_episode_steps=e.max_episode_steps,
                                    reward_mode=e.reward_mode, seed=config.seed,
-                                   state_keys=maniskill.parse_state_keys(e.get("state_keys", "")),
+                                   state_keys=maniskill.parse_names(e.get("state_keys", "")),
                                    critic_state_dim=e.get("critic_state_dim", 0),
                                    **maniskill.gym_options(e))
     self.spec: protocol.EnvSpec = probe.spec

@@ -8,7 +8,7 @@ NumPy, gymnasium, mani-skill and :mod:`jaxvla.envs.maniskill`.
 
 ``python -m jaxvla.data.planner_worker --tasks T0,T1,... --obs_mode M --label_mode L
 --image_size N --max_episode_steps N --reward_mode R --seeds S0,S1,... --out DIR
-[--noise S] [--state_keys K0,K1,...] [--robot R] [--render_meshes M] [--critic_state_dim C]``
+[--noise S] [--state_keys K0,K1,...] [--robot R] [--render_meshes M] [--cameras C0,C1,...] [--critic_state_dim C]``
 attempts each seed on its task (``--tasks`` holds one per seed) and, per attempt, writes ``DIR/<seed>.npz`` (``images [T, N_cam,
 H, W, 3]``, ``state [T, S]``, ``actions [T, A]``, ``rewards [T]``, ``success``,
 ``clipped``, ``error``; with ``--critic_state_dim``, ``critic_state [T, C]``: each recorded
@@ -140,17 +140,18 @@ def main(argv: list[str]) -> None:
   p.add_argument("--state_keys", default="")
   p.add_argument("--robot", default="")
   p.add_argument("--render_meshes", default="full")
+  p.add_argument("--cameras", default="")
   p.add_argument("--critic_state_dim", type=int, default=0)
   a = p.parse_args(argv)
   protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
   sys.stdout = sys.stderr  # The solutions print; only this protocol goes to stdout.
-  state_keys = maniskill.parse_state_keys(a.state_keys)
+  state_keys = maniskill.parse_names(a.state_keys)
   recorders: dict[str, tuple[Recorder, tuple[str, ...]]] = {}
 
   def recorder(task: str) -> tuple[Recorder, tuple[str, ...]]:
     """The task's recording env (built on its first attempt) and its camera names."""
     if task not in recorders:
-      options = dict(robot=a.robot, render_meshes=a.render_meshes)
+      options = dict(robot=a.robot, render_meshes=a.render_meshes, cameras=a.cameras)
       policy_env = maniskill.make_gym_env(task, obs_mode="state", control_mode=a.label_mode,
                                           image_size=a.image_size, max_episode_steps=1,
                                           reward_mode=a.reward_mode, **options)

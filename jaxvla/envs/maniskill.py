@@ -77,15 +77,17 @@ def simulator_reward_mode(reward_mode: str) -> str:
 
 def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int,
                  max_episode_steps: int, reward_mode: str, robot: str = "",
-                 render_meshes: str = "full"):
+                 render_meshes: str = "full", cameras: str = ""):
   """One ManiSkill3 CPU env (``num_envs=1``) as every jaxvla user of the task builds it;
   its reward is ManiSkill's :func:`simulator_reward_mode` of ``reward_mode``, its robot
   ``robot`` ('': the task's default), drawn with ``render_meshes``
-  (:func:`jaxvla.envs.lowpoly.use_panda_meshes`).
+  (:func:`jaxvla.envs.lowpoly.use_panda_meshes`), and in ``rgb`` mode the cameras
+  ``cameras`` names (comma-separated; '': all of the task's and the robot's,
+  :func:`keep_cameras`).
 
   Raises:
     ValueError: naming ``env.task``, ``env.obs_mode``, ``env.control_mode``,
-      ``env.reward_mode`` or ``env.render_meshes``.
+      ``env.reward_mode``, ``env.render_meshes`` or ``env.cameras``.
   """
   check_task(task)
   if obs_mode not in OBS_MODES:
@@ -106,7 +108,40 @@ def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int
     kwargs["sensor_configs"] = dict(width=image_size, height=image_size)
   else:
     kwargs["render_backend"] = "none"
-  return gym.make(task, **kwargs)
+  env = gym.make(task, **kwargs)
+  if obs_mode == "rgb" and parse_names(cameras):
+    keep_cameras(env, parse_names(cameras))
+  return env
+
+
+def keep_cameras(env, cameras: tuple[str, ...]) -> None:
+  """Makes ``env`` observe through ``cameras`` alone (a subset of its sensors' uids,
+  e.g. ``("hand_camera",)`` of ``panda_wristcam``'s ``base_camera`` and
+  ``hand_camera``), now and after every reconfiguring reset. The others are never
+  captured, so they cost nothing per observation (a render is mostly a fixed cost per
+  camera); they stay in the scene, built once per reconfigure.
+
+  Raises:
+    ValueError: naming ``env.cameras`` when a camera is not one of the env's.
+  """
+  u = env.unwrapped
+  built = u._setup_sensors  # pylint: disable=protected-access
+
+  def select() -> None:
+    missing = [c for c in cameras if c not in u._sensors]  # pylint: disable=protected-access
+    if missing:
+      raise ValueError(f"config.env.cameras={','.join(cameras)!r}: {missing} is not a camera "
+                       f"of {type(u).__name__} with this robot (it has "
+                       f"{sorted(u._sensors)})")  # pylint: disable=protected-access
+    u._sensors = {c: s for c, s in u._sensors.items() if c in cameras}  # pylint: disable=protected-access
+    u.scene.sensors = u._sensors  # pylint: disable=protected-access
+
+  def setup_sensors(options: dict) -> None:  # ManiSkill calls it on each reconfigure.
+    built(options)
+    select()
+
+  u._setup_sensors = setup_sensors  # pylint: disable=protected-access
+  select()
 
 
 def tasks(task: str) -> tuple[str, ...]:
@@ -114,9 +149,10 @@ def tasks(task: str) -> tuple[str, ...]:
   return tuple(t.strip() for t in task.split(","))
 
 
-def parse_state_keys(state_keys: str) -> tuple[str, ...]:
-  """``env.state_keys`` (comma-separated field names; '' for ManiSkill's own) as a tuple."""
-  return tuple(k.strip() for k in state_keys.split(",") if k.strip())
+def parse_names(names: str) -> tuple[str, ...]:
+  """A comma-separated list of names (``env.state_keys``, ``env.cameras``; '' for none,
+  i.e. ManiSkill's own) as a tuple."""
+  return tuple(k.strip() for k in names.split(",") if k.strip())
 
 
 def check_task(task: str) -> None:
@@ -131,14 +167,15 @@ def check_config(env: ml_collections.ConfigDict) -> None:
 
   Raises:
     ValueError: naming ``env.task`` (unknown, repeated, or several tasks without one
-      state layout) or ``env.state_keys`` (a field a camera policy must not see).
+      state layout), ``env.state_keys`` (a field a camera policy must not see) or
+      ``env.cameras`` (in ``state`` mode, or a camera named twice).
   """
   names = tasks(env.task)
   for t in names:
     check_task(t)
   if len(set(names)) != len(names):
     raise ValueError(f"config.env.task={env.task!r} names a task twice")
-  keys = parse_state_keys(env.get("state_keys", ""))
+  keys = parse_names(env.get("state_keys", ""))
   if len(names) > 1 and (env.obs_mode != "rgb" or not keys):
     raise ValueError(f"config.env.task={env.task!r}: several tasks share one policy only with "
                      f"env.obs_mode='rgb' and env.state_keys naming one state layout")
@@ -146,6 +183,12 @@ def check_config(env: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.env.critic_state_dim={env.critic_state_dim}: a critic state is "
                      f"for camera policies (env.obs_mode='rgb'); a state policy's critic "
                      f"already sees the whole state")
+  cameras = parse_names(env.get("cameras", ""))
+  if cameras and env.obs_mode != "rgb":
+    raise ValueError(f"config.env.cameras={env.cameras!r} selects cameras of "
+                     f"env.obs_mode='rgb'; env.obs_mode={env.obs_mode!r} renders none")
+  if len(set(cameras)) != len(cameras):
+    raise ValueError(f"config.env.cameras={env.cameras!r} names a camera twice")
   if env.obs_mode == "rgb":
     leaked = [k for k in keys if k not in PIXEL_STATE_FIELDS]
     if leaked:
@@ -279,6 +322,8 @@ class ManiSkillCPU(instances.InstanceBatch):
     robot: ManiSkill's ``robot_uids`` ('': each task's default; StackCube's is
       ``panda_wristcam``, a Panda with a second, wrist camera).
     render_meshes: ``"lowpoly"`` or ``"full"`` (:mod:`jaxvla.envs.lowpoly`).
+    cameras: ``rgb``: the cameras the policy reads, comma-separated (:func:`keep_cameras`;
+      '': all of the task's and the robot's).
     instruction: every env's instruction ('': each task's own, :data:`INSTRUCTIONS`); a
       control for a policy of several tasks: a task's episodes under another's words.
     critic_state_dim: ``rgb``: size of each observation's ``critic_state``, ManiSkill's
@@ -290,8 +335,8 @@ class ManiSkillCPU(instances.InstanceBatch):
                max_episode_steps: int = 50, reward_mode: str = "sparse", seed: int = 0,
                group_size: int = 1, first_env_id: int = 0, total_envs: int | None = None,
                render_every_step: bool = False, state_keys: tuple[str, ...] = (),
-               robot: str = "", render_meshes: str = "full", instruction: str = "",
-               critic_state_dim: int = 0):
+               robot: str = "", render_meshes: str = "full", cameras: str = "",
+               instruction: str = "", critic_state_dim: int = 0):
     self.num_envs = count
     self._init_groups(group_size, first_env_id, total_envs)
     names = tasks(task)
@@ -306,7 +351,8 @@ class ManiSkillCPU(instances.InstanceBatch):
     self._envs = [make_gym_env(t, obs_mode=obs_mode, control_mode=control_mode,
                                image_size=image_size, max_episode_steps=max_episode_steps,
                                reward_mode=reward_mode, robot=robot,
-                               render_meshes=render_meshes) for t in self.env_tasks]
+                               render_meshes=render_meshes, cameras=cameras)
+                  for t in self.env_tasks]
     # Steps observe without sensors; _complete renders the observations the policy reads.
     self._render_in_complete = obs_mode == "rgb" and not render_every_step
     if self._render_in_complete:
@@ -371,11 +417,13 @@ def make(config: ml_collections.ConfigDict, num_envs: int, seed: int, *,
                       group_size=config.group_size if group_size is None
                       else group_size, first_env_id=first_env_id, total_envs=total_envs,
                       render_every_step=config.get("render_every_step", False),
-                      state_keys=parse_state_keys(config.get("state_keys", "")),
+                      state_keys=parse_names(config.get("state_keys", "")),
                       instruction=config.get("instruction", ""),
                       critic_state_dim=config.get("critic_state_dim", 0), **gym_options(config))
 
 
 def gym_options(config: ml_collections.ConfigDict) -> dict:
-  """The ``env`` sub-config's robot and render meshes, as :func:`make_gym_env` takes them."""
-  return dict(robot=config.get("robot", ""), render_meshes=config.get("render_meshes", "full"))
+  """The ``env`` sub-config's robot, render meshes and cameras, as :func:`make_gym_env`
+  takes them."""
+  return dict(robot=config.get("robot", ""), render_meshes=config.get("render_meshes", "full"),
+              cameras=config.get("cameras", ""))

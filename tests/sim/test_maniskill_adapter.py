@@ -284,3 +284,32 @@ def test_planner_records_the_cameras_the_rl_env_shows(tmp_path):
   assert table.critic_state.shape == (len(steps), 70)
   stats = norm_stats.compute(table)[norm_stats.CRITIC_STATE]
   assert stats.std[13] > 0.0  # the cube moves (x, dim 13)
+
+
+def test_camera_selection_renders_the_named_cameras_alone():
+  """``env.cameras``: the policy reads the named cameras only, with the images the env
+  with every camera gives them; the others are not captured, also after a reconfiguring
+  reset (the planner's per attempt); an unknown camera is refused by name."""
+  c = maniskill_config.get_config("vision_rl_short")
+  c.env.robot, c.env.critic_state_dim = "panda_wristcam", 0
+  both = maniskill_env.make(c.env, 1, 0)
+  c.env.cameras = "hand_camera"
+  wrist = maniskill_env.make(c.env, 1, 0)
+  try:
+    assert both.spec.camera_names == ("base_camera", "hand_camera")
+    assert wrist.spec.camera_names == ("hand_camera",)
+    np.testing.assert_array_equal(wrist.reset(0).images[:, 0], both.reset(0).images[:, 1])
+    actions = np.random.default_rng(0).uniform(-1, 1, (1, 5, 8))
+    np.testing.assert_array_equal(wrist.step_chunk(actions).obs.images[:, 0],
+                                  both.step_chunk(actions).obs.images[:, 1])
+    gym_env = wrist._envs[0]  # pylint: disable=protected-access
+    gym_env.reset(seed=3, options=dict(reconfigure=True))
+    assert list(gym_env.unwrapped.scene.sensors) == ["hand_camera"]
+    assert list(maniskill_env.rendered_obs(gym_env)["sensor_data"]) == ["hand_camera"]
+  finally:
+    both.close()
+    wrist.close()
+  c.env.robot = ""  # PushCube's own Panda has no wrist camera
+  with pytest.raises(ValueError, match=r"config.env.cameras='hand_camera': \['hand_camera'\] "
+                                       r"is not a camera of PushCubeEnv.*\['base_camera'\]"):
+    maniskill_env.make(c.env, 1, 0)
