@@ -271,16 +271,17 @@ def test_planner_records_the_cameras_the_rl_env_shows(tmp_path):
   first = steps[0]["observation"]
   seed = demonstrators.demo_seed(c.seed)  # (the first attempt's episode seed)
   env = maniskill_env.make(c.env, 1, seed, group_size=1)
+  camera = env.spec.camera_names[0]  # (the recipe's first camera)
   try:
     obs = env.reset(seed)
-    np.testing.assert_array_equal(first["base_camera"], obs.images[0, 0])
+    np.testing.assert_array_equal(first[camera], obs.images[0, 0])
     np.testing.assert_allclose(first["state"], obs.state[0], atol=1e-6)
     assert c.env.critic_state_dim == 70
     np.testing.assert_allclose(first["critic_state"], obs.critic_state[0], atol=1e-6)
   finally:
     env.close()
-  assert all(s["observation"]["base_camera"].std() > 1.0 for s in steps)  # every frame rendered
-  table = loader.open_reader(data_config.recorded(c.data, out, ("base_camera",))).table
+  assert all(s["observation"][camera].std() > 1.0 for s in steps)  # every frame rendered
+  table = loader.open_reader(data_config.recorded(c.data, out, env.spec.camera_names)).table
   assert table.critic_state.shape == (len(steps), 70)
   stats = norm_stats.compute(table)[norm_stats.CRITIC_STATE]
   assert stats.std[13] > 0.0  # the cube moves (x, dim 13)
