@@ -270,9 +270,11 @@ def test_pixel_recipes_hold_no_object_pose_in_their_state():
     assert (c.model.train_sampler, c.model.steer_state_estimator, c.rl.target_kl) == (
         sampler, True, kl), arg
   # PickCube from pixels sees through the wrist camera too (the fixed one shows the cube
-  # as 2 x 2 pixels); PushCube's fixed camera alone.
-  assert maniskill.get_config("vision_rl").env.robot == "panda_wristcam"
-  assert maniskill.get_config("vision_rl_short").env.robot == ""
+  # as 2 x 2 pixels); PushCube through the wrist camera alone, from 20 demonstrations.
+  pick, push = maniskill.get_config("vision_rl"), maniskill.get_config("vision_rl_short")
+  assert (pick.env.robot, pick.env.cameras) == ("panda_wristcam", "")
+  assert (push.env.robot, push.env.cameras, push.bc.num_episodes) == (
+      "panda_wristcam", "hand_camera", 20)
 
 
 def test_pixel_state_takes_named_fields_pads_missing_goals_and_refuses_others():

@@ -129,25 +129,23 @@ def test_sft_then_rl_raises_maniskill_success(tmp_path):
 # its own.
 @pytest.mark.timeout(5400)
 def test_vision_rl_keeps_or_raises_maniskill_success_from_pixels(tmp_path):
-  """ManiSkill3 PushCube-v1 from its 64 px camera, the recipe's whole command
-  (``configs/maniskill.py:vision_rl_short``): 150 planner demonstrations with their
+  """ManiSkill3 PushCube-v1 through the Panda's 64 px wrist camera, the recipe's whole
+  command (``configs/maniskill.py:vision_rl_short``): 20 planner demonstrations with their
   images, SFT of the tiny pi0 with its vision tower, then 300k env steps of PPO on the
   latent head (DSRL: it draws the frozen flow's initial noise) with the KL stop. The
   policy's observation holds no object pose; only the critic reads the simulation state.
   Evaluated on the same 100 fixed-seed episodes before (the flow from zero noise) and
   after RL (the head's mean noise).
 
-  The margin, -0.05: over seeds 0 to 4 the recipe gained +0.19, 0.00, +0.08, +0.22 and
-  +0.19, mean 0.14 and std 0.09 (docs/results/maniskill.md, "The latent head with a KL
-  stop"), so mean - 2 std is -0.05; seed 5, run after the margin was set, gained +0.16
-  (six seeds: 0.14 +- 0.08), and this test's own run, seed 0's whole command, +0.12
-  (0.37 -> 0.49); since the planner's fresh scene per attempt (6ec7725: other
-  demonstrations) +0.04 (0.47 -> 0.51, the AVX-512 machine). The test cannot hold the
-  issue's +0.15 at every seed (seed 1 gains nothing); what it catches is RL that lowers
-  the pixel policy: the same head without the KL stop fell 0.12 at seed 2, and a learner
-  that climbs the wrong way falls further. It also checks that only the head and the
-  critic moved, and that the SFT policy is a clearly imperfect one, as at every seed
-  (0.21 to 0.47).
+  The margin, 0.00 (RL must not lower success): over seeds 0 to 2 the recipe gained
+  +0.16, +0.09 and +0.12 (docs/results/maniskill.md, "From the wrist camera"), mean 0.12
+  and std 0.04, so mean - 2 std is +0.05; with three seeds the std is loosely known (the
+  t bound with two degrees of freedom is -0.03), hence 0.00 between the two. The test
+  cannot hold the issue's +0.15 at every seed (seed 1 gains +0.09); what it catches is RL
+  that lowers the pixel policy: the same head without the KL stop fell 0.12 at a seed of
+  the fixed-camera recipe, and a learner that climbs the wrong way falls further. It also
+  checks that only the head and the critic moved, and that the SFT policy is a clearly
+  imperfect one, as at every seed (0.20 to 0.43; from 150 demonstrations it is 0.99).
   """
   from configs import maniskill  # pylint: disable=import-outside-toplevel
   c = maniskill.get_config("vision_rl_short")
@@ -160,7 +158,7 @@ def test_vision_rl_keeps_or_raises_maniskill_success_from_pixels(tmp_path):
   warm = r["warm_start_success_rate"]
   assert 0.15 <= warm <= 0.7, f"the SFT policy should be clearly imperfect, not {warm}"
   assert r["env_steps"] >= c.total_env_steps and r["env_steps_unaccounted"] == 0
-  assert r["success_rate"] >= warm - 0.05, (
+  assert r["success_rate"] >= warm, (
       f"RL lowered pixel success from {warm:.2f} to {r['success_rate']:.2f}")
   # The flow and its vision tower stay as SFT left them; the latent head (rl/steer_*)
   # moved.

@@ -292,7 +292,7 @@ def test_camera_selection_renders_the_named_cameras_alone():
   with every camera gives them; the others are not captured, also after a reconfiguring
   reset (the planner's per attempt); an unknown camera is refused by name."""
   c = maniskill_config.get_config("vision_rl_short")
-  c.env.robot, c.env.critic_state_dim = "panda_wristcam", 0
+  c.env.robot, c.env.cameras, c.env.critic_state_dim = "panda_wristcam", "", 0
   both = maniskill_env.make(c.env, 1, 0)
   c.env.cameras = "hand_camera"
   wrist = maniskill_env.make(c.env, 1, 0)
