@@ -125,8 +125,9 @@ def test_sft_then_rl_raises_maniskill_success(tmp_path):
 
 
 @pytest.mark.run_first(0)  # (the longest: first)
-# About 25 minutes alone on the 2-core AVX2 CPU, 62 beside another such run: a guard of
-# its own.
+# About 25 minutes alone on the 2-core AVX2 CPU (the fixed-camera recipe), 62 beside
+# another such run; the wrist camera's 39 beside the state run and another recipe run:
+# a guard of its own.
 @pytest.mark.timeout(5400)
 def test_vision_rl_keeps_or_raises_maniskill_success_from_pixels(tmp_path):
   """ManiSkill3 PushCube-v1 through the Panda's 64 px wrist camera, the recipe's whole
@@ -137,15 +138,15 @@ def test_vision_rl_keeps_or_raises_maniskill_success_from_pixels(tmp_path):
   Evaluated on the same 100 fixed-seed episodes before (the flow from zero noise) and
   after RL (the head's mean noise).
 
-  The margin, 0.00 (RL must not lower success): over seeds 0 to 2 the recipe gained
-  +0.16, +0.09 and +0.12 (docs/results/maniskill.md, "From the wrist camera"), mean 0.12
-  and std 0.04, so mean - 2 std is +0.05; with three seeds the std is loosely known (the
-  t bound with two degrees of freedom is -0.03), hence 0.00 between the two. The test
-  cannot hold the issue's +0.15 at every seed (seed 1 gains +0.09); what it catches is RL
-  that lowers the pixel policy: the same head without the KL stop fell 0.12 at a seed of
-  the fixed-camera recipe, and a learner that climbs the wrong way falls further. It also
-  checks that only the head and the critic moved, and that the SFT policy is a clearly
-  imperfect one, as at every seed (0.20 to 0.43; from 150 demonstrations it is 0.99).
+  The margin, -0.03: over seeds 0 to 3 the recipe gained +0.16, +0.09, +0.12 and +0.01
+  (docs/results/maniskill.md, "From the wrist camera"), mean 0.10 and std 0.06, so mean
+  - 2 std is -0.03. This test's own run, seed 0's whole command from a fresh clone, gave
+  0.43 -> 0.59 (+0.16). The test cannot hold the issue's +0.15 at every seed (seed 3,
+  from an SFT policy at 0.11, stays flat); what it catches is RL that lowers the pixel
+  policy: the same head without the KL stop fell 0.12 at a seed of the fixed-camera
+  recipe, and a learner that climbs the wrong way falls further. It also checks that
+  only the head and the critic moved, and that seed 0's SFT policy is a clearly
+  imperfect one (over seeds 0 to 3: 0.11 to 0.43; from 150 demonstrations it is 0.99).
   """
   from configs import maniskill  # pylint: disable=import-outside-toplevel
   c = maniskill.get_config("vision_rl_short")
@@ -156,9 +157,9 @@ def test_vision_rl_keeps_or_raises_maniskill_success_from_pixels(tmp_path):
   print({k: r[k] for k in ("warm_start_success_rate", "success_rate", "env_steps", "wall_s",
                            "rl_env_steps_per_s")})
   warm = r["warm_start_success_rate"]
-  assert 0.15 <= warm <= 0.7, f"the SFT policy should be clearly imperfect, not {warm}"
+  assert 0.05 <= warm <= 0.7, f"the SFT policy should be clearly imperfect, not {warm}"
   assert r["env_steps"] >= c.total_env_steps and r["env_steps_unaccounted"] == 0
-  assert r["success_rate"] >= warm, (
+  assert r["success_rate"] >= warm - 0.03, (
       f"RL lowered pixel success from {warm:.2f} to {r['success_rate']:.2f}")
   # The flow and its vision tower stay as SFT left them; the latent head (rl/steer_*)
   # moved.
