@@ -109,8 +109,9 @@ def make_gym_env(task: str, *, obs_mode: str, control_mode: str, image_size: int
   else:
     kwargs["render_backend"] = "none"
   env = gym.make(task, **kwargs)
-  if obs_mode == "rgb" and parse_names(cameras):
-    keep_cameras(env, parse_names(cameras))
+  selected = parse_names(cameras)
+  if obs_mode == "rgb" and selected:
+    keep_cameras(env, selected)
   return env
 
 
