@@ -125,9 +125,9 @@ def test_sft_then_rl_raises_maniskill_success(tmp_path):
 
 
 @pytest.mark.run_first(0)  # (the longest: first)
-# About 25 minutes alone on the 2-core AVX2 CPU (the fixed-camera recipe), 62 beside
-# another such run; the wrist camera's 39 beside the state run and another recipe run:
-# a guard of its own.
+# The wrist camera's recipe: 19 minutes alone on the 2 cores from a fresh clone, 39
+# beside the state run and another recipe run; the fixed camera's took 62 beside another
+# such run: a guard of its own.
 @pytest.mark.timeout(5400)
 def test_vision_rl_keeps_or_raises_maniskill_success_from_pixels(tmp_path):
   """ManiSkill3 PushCube-v1 through the Panda's 64 px wrist camera, the recipe's whole
