@@ -202,9 +202,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     _set_vision(c, vision)
   if vision in STEERED_VISION and not method:
     # DSRL from pixels: the head draws the frozen flow's initial noise, so it explores on
-    # the flow's own actions (on PushCube a residual Gaussian cost the pixel policy a third
-    # of its training success, and it gained 0.00 +- 0.04 over 3 seeds;
-    # docs/results/maniskill.md, "From pixels").
+    # the flow's own actions (on PushCube from the fixed camera a residual Gaussian cost
+    # the pixel policy a third of its training success, and it gained 0.00 +- 0.04 over 3
+    # seeds; from the wrist camera the residual head gained +0.31 +- 0.18 over seeds 0-2,
+    # not adopted until more seeds; docs/results/maniskill.md, "From pixels").
     method = "latent"
   if method:
     _set_method(c, method)
